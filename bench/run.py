@@ -1,0 +1,155 @@
+"""Benchmarks: gograph vs torch.cuda.make_graphed_callables on the same work, one process.
+
+Workloads (issue 3):
+  W1  8 per-layer callables of Linear(4096,4096) -> GELU -> Linear(4096,4096), bf16, input 8192x4096
+  W2  32 per-layer callables of Linear(256,256) + ReLU, fp32, input 64x256
+
+For each maker it reports capture time, peak memory during the call and memory retained after it
+(both counted from just before the call, samples already allocated), memory left after
+reset + delete + empty_cache, and graphed step time (forward through all layers + backward), with
+eager step time for reference. Ratios are gograph / torch. Needs a GPU and the CUDA flavor.
+
+  python bench/run.py [--only W1,W2] [--steps 50] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import gograph
+
+MiB = 2**20
+
+
+@dataclass
+class Workload:
+    name: str
+    layers: int
+    width: int
+    rows: int
+    dtype: torch.dtype
+    block: str  # "mlp" (Linear-GELU-Linear) or "linear_relu"
+
+
+WORKLOADS = {
+    "W1": Workload("W1", 8, 4096, 8192, torch.bfloat16, "mlp"),
+    "W2": Workload("W2", 32, 256, 64, torch.float32, "linear_relu"),
+}
+
+
+def make_layers(w: Workload) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    if w.block == "mlp":
+        mk = lambda: torch.nn.Sequential(torch.nn.Linear(w.width, w.width), torch.nn.GELU(),
+                                         torch.nn.Linear(w.width, w.width))
+    else:
+        mk = lambda: torch.nn.Sequential(torch.nn.Linear(w.width, w.width), torch.nn.ReLU())
+    return [mk().to(device="cuda", dtype=w.dtype) for _ in range(w.layers)]
+
+
+def make_samples(w: Workload) -> tuple[tuple[torch.Tensor], ...]:
+    # Layer 0 sees data (no grad); every later layer sees an activation that requires grad.
+    return tuple((torch.randn(w.rows, w.width, device="cuda", dtype=w.dtype).requires_grad_(i > 0),)
+                 for i in range(w.layers))
+
+
+def step(layers, x) -> None:
+    for layer in layers:
+        x = layer(x)
+    x.float().square().mean().backward()
+
+
+def time_steps(layers, x, steps: int) -> float:
+    for _ in range(3):
+        step(layers, x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(layers, x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(w: Workload, maker: str, steps: int) -> dict:
+    layers = make_layers(w)
+    x = torch.randn(w.rows, w.width, device="cuda", dtype=w.dtype)
+    step(layers, x)  # cuBLAS handles/workspaces exist before anything is measured
+    for p in (q for l in layers for q in l.parameters()):
+        p.grad = None
+    samples = make_samples(w)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    make = gograph.make_graphed_callables if maker == "gograph" else torch.cuda.make_graphed_callables
+    t0 = time.perf_counter()
+    graphed = make(tuple(layers), samples)
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() - base
+    retained = torch.cuda.memory_allocated() - base
+    graphed_step = time_steps(graphed, x, steps)
+    for p in (q for l in layers for q in l.parameters()):
+        p.grad = None
+    if maker == "gograph":
+        for g in graphed:
+            g.reset()
+    del graphed, samples
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_allocated() - base
+    # Eager reference on fresh layers (the graphed ones had forward replaced).
+    eager_layers = make_layers(w)
+    eager_step = time_steps(eager_layers, x, steps)
+    del layers, eager_layers, x
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(workload=w.name, maker=maker, capture_s=capture_s, peak_mib=peak / MiB,
+                retained_mib=retained / MiB, after_reset_mib=after / MiB,
+                graphed_step_ms=graphed_step * 1e3, eager_step_ms=eager_step * 1e3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="W1,W2")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    if not (torch.cuda.is_available() and gograph.cuda_available()):
+        raise SystemExit(f"bench needs a GPU and gograph's CUDA flavor: {gograph.cuda_unavailable_reason()}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for name in args.only.split(","):
+        w = WORKLOADS[name]
+        for maker in ("torch", "gograph", "torch", "gograph"):  # twice each: the first pair warms up
+            r = measure(w, maker, args.steps)
+            rows.append(r)
+    final = {}
+    for r in rows:  # keep the second measurement of each (workload, maker)
+        final[(r["workload"], r["maker"])] = r
+    print(f"{'load':4} {'maker':8} {'capture s':>9} {'peak MiB':>9} {'kept MiB':>9} {'after MiB':>9} "
+          f"{'step ms':>8} {'eager ms':>8}")
+    for (wl, mk), r in sorted(final.items()):
+        print(f"{wl:4} {mk:8} {r['capture_s']:9.3f} {r['peak_mib']:9.1f} {r['retained_mib']:9.1f} "
+              f"{r['after_reset_mib']:9.2f} {r['graphed_step_ms']:8.3f} {r['eager_step_ms']:8.3f}")
+    ratios = {}
+    for wl in sorted({k[0] for k in final}):
+        t, g = final[(wl, "torch")], final[(wl, "gograph")]
+        ratios[wl] = {k: (g[k] / t[k] if t[k] else float("nan"))
+                      for k in ("capture_s", "peak_mib", "retained_mib", "graphed_step_ms")}
+        print(f"{wl} gograph/torch: " + ", ".join(f"{k} x{v:.3f}" for k, v in ratios[wl].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "ratios": ratios, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+//go:build !cuda
+
+// These tests exercise the cpu flavor, the one built everywhere: capture
+// calls fail with the no-CUDA error, pass records work with eager (0) graph
+// handles, and panics come back as errors.
+
+package gograph
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+)
+
+const noCUDA = "gograph core was built without CUDA support (cpu flavor)"
+
+func TestBuildInfo(t *testing.T) {
+	if v := CoreVersion(); v != "0.1.0" {
+		t.Errorf("CoreVersion = %q", v)
+	}
+	if f := Flavor(); f != "cpu" {
+		t.Errorf("Flavor = %q", f)
+	}
+	if v := CudaHeaderVersion(); v != 0 {
+		t.Errorf("CudaHeaderVersion = %d", v)
+	}
+}
+
+func TestCaptureCallsNeedCUDA(t *testing.T) {
+	const s = 0x55550000
+	errs := map[string]error{}
+	_, errs["driver_version"] = DriverVersion()
+	_, errs["device_count"] = DeviceCount()
+	_, errs["device_name"] = DeviceName(0)
+	_, errs["device_total_memory"] = DeviceTotalMemory(0)
+	errs["begin_capture"] = BeginCapture(s, 0)
+	_, errs["capture_status"] = CaptureStatus(s)
+	_, errs["exchange_capture_mode"] = ExchangeCaptureMode(1)
+	errs["abort_capture"] = AbortCapture(s)
+	for name, err := range errs {
+		if want := name + ": " + noCUDA; err == nil || err.Error() != want {
+			t.Errorf("%s: got %v, want %q", name, err, want)
+		}
+	}
+	// Argument checks come first, so their messages are the same in both flavors.
+	if err := BeginCapture(0, 0); err == nil || !strings.Contains(err.Error(), "refusing to capture the legacy default stream (0)") {
+		t.Errorf("BeginCapture(0): %v", err)
+	}
+	if _, err := EndCapture(s); err == nil || !strings.Contains(err.Error(), "is not capturing through gograph") {
+		t.Errorf("EndCapture: %v", err)
+	}
+	launched, launchErr := LaunchGraph(1, s)
+	if launched {
+		t.Error("LaunchGraph of an unknown handle reported a launch")
+	}
+	for name, err := range map[string]error{
+		"launch_graph":  launchErr,
+		"upload_graph":  UploadGraph(1, s),
+		"destroy_graph": DestroyGraph(1),
+	} {
+		if err == nil || !strings.HasPrefix(err.Error(), name+": unknown graph handle 1") {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := GraphNodeCount(1); err == nil {
+		t.Error("GraphNodeCount of an unknown handle succeeded")
+	}
+	if n := LiveGraphs(); n != 0 {
+		t.Errorf("LiveGraphs = %d", n)
+	}
+}
+
+func TestEagerPassLifecycle(t *testing.T) {
+	before := LivePasses()
+	p, err := NewPass(3, "layer3")
+	if err != nil || p <= 0 {
+		t.Fatalf("NewPass = %d, %v", p, err)
+	}
+	for _, step := range []error{
+		AttachGraph(p, 0, 0),
+		AttachGraph(p, 1, 0),
+		AddPoolRef(p),
+		AddPoolRef(p),
+		SealPass(p),
+	} {
+		if step != nil {
+			t.Fatal(step)
+		}
+	}
+	for _, k := range []int{0, 1} {
+		if launched, err := Replay(p, k, 0); launched || err != nil { // eager: nothing to launch
+			t.Fatalf("Replay(%d) = %v, %v", k, launched, err)
+		}
+	}
+	if _, err := Replay(p, 2, 0); err == nil || err.Error() != `graphed callable 3 ("layer3") has no wgrad graph` {
+		t.Fatalf("Replay(wgrad): %v", err)
+	}
+	if s, err := PassState(p); s != "ready" || err != nil {
+		t.Fatalf("PassState = %q, %v", s, err)
+	}
+	if g, err := PassGraph(p, 0); g != 0 || err != nil {
+		t.Fatalf("PassGraph = %d, %v", g, err)
+	}
+	if n := LivePasses(); n != before+1 {
+		t.Fatalf("LivePasses = %d, want %d", n, before+1)
+	}
+	if refs, err := ResetPass(p); refs != 2 || err != nil {
+		t.Fatalf("ResetPass = %d, %v", refs, err)
+	}
+	if refs, err := ResetPass(p); refs != 0 || err != nil {
+		t.Fatalf("second ResetPass = %d, %v", refs, err)
+	}
+	const resetMsg = `graphed callable 3 ("layer3") was reset; call make_graphed_callables again to graph it anew`
+	if _, err := Replay(p, 0, 0); err == nil || err.Error() != resetMsg {
+		t.Fatalf("Replay after reset: %v", err)
+	}
+	if s, _ := PassState(p); s != "reset" {
+		t.Fatalf("PassState = %q", s)
+	}
+	if err := DropPass(p); err != nil {
+		t.Fatal(err)
+	}
+	if err := DropPass(p); err != nil { // finalizer after an explicit drop
+		t.Fatal(err)
+	}
+	if _, err := PassState(p); err == nil || err.Error() != "unknown pass "+strconv.FormatInt(p, 10) {
+		t.Fatalf("PassState after drop: %v", err)
+	}
+	if n := LivePasses(); n != before {
+		t.Fatalf("LivePasses = %d, want %d", n, before)
+	}
+}
+
+func TestPassErrors(t *testing.T) {
+	p, _ := NewPass(0, "fc")
+	defer DropPass(p)
+	if _, err := Replay(p, 0, 0); err == nil || err.Error() != `graphed callable 0 ("fc") is still being captured` {
+		t.Fatalf("Replay while building: %v", err)
+	}
+	if err := AttachGraph(p, 5, 0); err == nil || !strings.Contains(err.Error(), "unknown graph kind 5") {
+		t.Fatalf("AttachGraph(kind 5): %v", err)
+	}
+	if err := SealPass(-7); err == nil || err.Error() != "unknown pass -7" {
+		t.Fatalf("SealPass(-7): %v", err)
+	}
+	if _, err := NewPass(-1, "x"); err == nil {
+		t.Fatal("NewPass(-1) succeeded")
+	}
+}
+
+func TestPanicBecomesError(t *testing.T) {
+	err := TriggerPanicForTest()
+	if err == nil || !strings.HasPrefix(err.Error(), "trigger_panic_for_test: internal panic: ") {
+		t.Fatalf("TriggerPanicForTest = %v", err)
+	}
+	// A runtime error (not only an explicit panic) is recovered the same way.
+	f := func() (err error) {
+		defer recoverPanic("f", &err)
+		var m map[int]int
+		m[0] = 1
+		return nil
+	}
+	if err := f(); err == nil || !strings.Contains(err.Error(), "f: internal panic: assignment to entry in nil map") {
+		t.Fatalf("runtime panic: %v", err)
+	}
+}

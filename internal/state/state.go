@@ -1,0 +1,360 @@
+// Package state keeps gograph's pass records: one record per graphed
+// callable, holding the graphs it owns by kind, the memory-pool references it
+// took, and its lifecycle building -> ready -> reset.
+//
+// This is the state TransformerEngine keeps in Python closures, made explicit
+// so that lifetimes are data: a record references only its own graphs,
+// resetting it releases exactly what it owns, a second reset is harmless,
+// and a reset record refuses to replay with an error that says why, instead
+// of launching a destroyed graph.
+//
+// The package does no CUDA itself; it frees and launches graphs through the
+// Graphs interface (the cudagraph registry in the product, a fake in tests).
+package state
+
+import (
+	"fmt"
+	"sync"
+)
+
+// Kind is what a graph of a pass computes.
+type Kind int
+
+// Graph kinds.
+const (
+	Forward  Kind = 0
+	Backward Kind = 1
+	WGrad    Kind = 2 // delayed weight gradient (TransformerEngine's backward_dw)
+
+	NumKinds = 3
+)
+
+func (k Kind) valid() bool { return k >= 0 && k < NumKinds }
+
+func (k Kind) String() string {
+	switch k {
+	case Forward:
+		return "forward"
+	case Backward:
+		return "backward"
+	case WGrad:
+		return "wgrad"
+	}
+	return fmt.Sprintf("Kind(%d)", int(k))
+}
+
+func checkKind(k Kind) error {
+	if !k.valid() {
+		return fmt.Errorf("unknown graph kind %d (want 0 forward, 1 backward or 2 wgrad)", int(k))
+	}
+	return nil
+}
+
+// Lifecycle is where a pass stands.
+type Lifecycle int
+
+// Lifecycle states, in the only order a pass moves through them (a pass can
+// also go from Building straight to Reset when its capture fails).
+const (
+	Building Lifecycle = iota // graphs are being captured and attached
+	Ready                     // sealed: replays are allowed
+	Reset                     // graphs destroyed: replays are refused forever
+)
+
+func (l Lifecycle) String() string {
+	switch l {
+	case Building:
+		return "building"
+	case Ready:
+		return "ready"
+	case Reset:
+		return "reset"
+	}
+	return fmt.Sprintf("Lifecycle(%d)", int(l))
+}
+
+// Graphs frees and launches graphs by handle; the cudagraph registry
+// satisfies it. Handle 0 never reaches it: it stands for "nothing to launch".
+type Graphs interface {
+	Launch(graph, stream int64) error
+	Destroy(graph int64) error
+}
+
+// Pass is one graphed callable's record, as Ledger.Snapshot copies it out.
+type Pass struct {
+	ID            int64
+	CallableIndex int
+	Label         string
+	Graphs        [NumKinds]int64 // graph handle by Kind; 0 = none or eager
+	Has           [NumKinds]bool  // whether a kind was attached (even with handle 0)
+	PoolRefs      int             // memory-pool references taken and not yet handed back
+	Lifecycle     Lifecycle
+}
+
+// record is a Pass in the ledger, with the lock that guards it.
+type record struct {
+	mu sync.Mutex
+	Pass
+}
+
+func (p *Pass) errReset() error {
+	return fmt.Errorf("graphed callable %d (%q) was reset; call make_graphed_callables again to graph it anew", p.CallableIndex, p.Label)
+}
+
+// Ledger holds the pass records by id (from 1, never reused). It is safe for
+// concurrent use: the ledger's lock guards only the id map and graph
+// ownership, and each record has its own lock, so replays of different passes
+// never wait on each other while a replay and a reset of the same pass are
+// strictly ordered. Lock order is record, then ledger.
+type Ledger struct {
+	graphs Graphs
+
+	mu     sync.Mutex
+	passes map[int64]*record
+	owner  map[int64]int64 // graph handle -> id of the pass that owns it
+	next   int64
+}
+
+// NewLedger returns an empty ledger that frees and launches through g.
+func NewLedger(g Graphs) *Ledger {
+	return &Ledger{
+		graphs: g,
+		passes: make(map[int64]*record),
+		owner:  make(map[int64]int64),
+		next:   1,
+	}
+}
+
+// lock finds pass id and returns it locked.
+func (l *Ledger) lock(id int64) (*record, error) {
+	l.mu.Lock()
+	p := l.passes[id]
+	l.mu.Unlock()
+	if p == nil {
+		return nil, fmt.Errorf("unknown pass %d", id)
+	}
+	p.mu.Lock()
+	return p, nil
+}
+
+// NewPass creates a record in state Building for the callable at
+// callableIndex (its position in make_graphed_callables' tuple) and returns
+// its id. label names the callable in errors.
+func (l *Ledger) NewPass(callableIndex int, label string) (int64, error) {
+	if callableIndex < 0 {
+		return 0, fmt.Errorf("callable index %d is negative", callableIndex)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	id := l.next
+	l.next++
+	l.passes[id] = &record{Pass: Pass{ID: id, CallableIndex: callableIndex, Label: label}}
+	return id, nil
+}
+
+// AttachGraph gives pass id ownership of graph for kind. graph 0 records a
+// kind with nothing to launch (the eager engine). Only while Building, once
+// per kind, and never a graph another pass owns: a graph destroyed by one
+// pass's reset must not be launched by another's. On error the caller still
+// owns graph.
+func (l *Ledger) AttachGraph(id int64, kind Kind, graph int64) error {
+	if err := checkKind(kind); err != nil {
+		return err
+	}
+	if graph < 0 {
+		return fmt.Errorf("invalid graph handle %d", graph)
+	}
+	p, err := l.lock(id)
+	if err != nil {
+		return err
+	}
+	defer p.mu.Unlock()
+	switch {
+	case p.Lifecycle == Reset:
+		return p.errReset()
+	case p.Lifecycle != Building:
+		return fmt.Errorf("graphed callable %d (%q) is sealed; cannot attach a %s graph", p.CallableIndex, p.Label, kind)
+	case p.Has[kind]:
+		return fmt.Errorf("graphed callable %d (%q) already has a %s graph", p.CallableIndex, p.Label, kind)
+	}
+	if graph != 0 {
+		l.mu.Lock()
+		other, taken := l.owner[graph]
+		if !taken {
+			l.owner[graph] = id
+		}
+		l.mu.Unlock()
+		if taken {
+			return fmt.Errorf("graph %d is already owned by pass %d; a graph belongs to exactly one pass", graph, other)
+		}
+	}
+	p.Graphs[kind], p.Has[kind] = graph, true
+	return nil
+}
+
+// AddPoolRef records that pass id took one reference on its memory pool
+// (one per capture). Only while Building.
+func (l *Ledger) AddPoolRef(id int64) error {
+	p, err := l.lock(id)
+	if err != nil {
+		return err
+	}
+	defer p.mu.Unlock()
+	switch p.Lifecycle {
+	case Reset:
+		return p.errReset()
+	case Ready:
+		return fmt.Errorf("graphed callable %d (%q) is sealed; cannot take a pool reference", p.CallableIndex, p.Label)
+	}
+	p.PoolRefs++
+	return nil
+}
+
+// Seal moves pass id from Building to Ready.
+func (l *Ledger) Seal(id int64) error {
+	p, err := l.lock(id)
+	if err != nil {
+		return err
+	}
+	defer p.mu.Unlock()
+	switch p.Lifecycle {
+	case Reset:
+		return p.errReset()
+	case Ready:
+		return fmt.Errorf("graphed callable %d (%q) is already sealed", p.CallableIndex, p.Label)
+	}
+	p.Lifecycle = Ready
+	return nil
+}
+
+// Replay launches pass id's graph of kind on stream: the hot path. The pass
+// must be Ready and have the kind; a handle of 0 launches nothing. It reports
+// whether a graph was launched. The record stays locked across the launch so
+// a concurrent reset cannot destroy the graph underneath it.
+func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
+	if err := checkKind(kind); err != nil {
+		return false, err
+	}
+	p, err := l.lock(id)
+	if err != nil {
+		return false, err
+	}
+	defer p.mu.Unlock()
+	switch {
+	case p.Lifecycle == Reset:
+		return false, p.errReset()
+	case p.Lifecycle == Building:
+		return false, fmt.Errorf("graphed callable %d (%q) is still being captured", p.CallableIndex, p.Label)
+	case !p.Has[kind]:
+		return false, fmt.Errorf("graphed callable %d (%q) has no %s graph", p.CallableIndex, p.Label, kind)
+	case p.Graphs[kind] == 0:
+		return false, nil
+	}
+	if err := l.graphs.Launch(p.Graphs[kind], stream); err != nil {
+		return false, fmt.Errorf("graphed callable %d (%q): replaying its %s graph: %w", p.CallableIndex, p.Label, kind, err)
+	}
+	return true, nil
+}
+
+// State returns pass id's lifecycle.
+func (l *Ledger) State(id int64) (Lifecycle, error) {
+	p, err := l.lock(id)
+	if err != nil {
+		return 0, err
+	}
+	defer p.mu.Unlock()
+	return p.Lifecycle, nil
+}
+
+// Graph returns the handle pass id holds for kind: 0 when the kind is absent,
+// eager, or the pass was reset (its graphs no longer exist).
+func (l *Ledger) Graph(id int64, kind Kind) (int64, error) {
+	if err := checkKind(kind); err != nil {
+		return 0, err
+	}
+	p, err := l.lock(id)
+	if err != nil {
+		return 0, err
+	}
+	defer p.mu.Unlock()
+	return p.Graphs[kind], nil
+}
+
+// Snapshot returns a copy of pass id's record.
+func (l *Ledger) Snapshot(id int64) (Pass, error) {
+	p, err := l.lock(id)
+	if err != nil {
+		return Pass{}, err
+	}
+	defer p.mu.Unlock()
+	return p.Pass, nil
+}
+
+// ResetPass destroys every graph pass id owns, moves it to Reset and returns
+// how many pool references the caller must now release (then zeroes them, so
+// a second call returns 0 and nil). It works from Building too, for a capture
+// that failed half way. If a graph fails to be destroyed the others are still
+// destroyed, the pass is still reset and its pool references still returned,
+// alongside the first error: a graph is never destroyed twice.
+func (l *Ledger) ResetPass(id int64) (int, error) {
+	p, err := l.lock(id)
+	if err != nil {
+		return 0, err
+	}
+	defer p.mu.Unlock()
+	return l.reset(p)
+}
+
+// reset does ResetPass's work on a locked record.
+func (l *Ledger) reset(p *record) (int, error) {
+	var first error
+	var destroyed []int64
+	for k := Kind(0); k < NumKinds; k++ {
+		g := p.Graphs[k]
+		p.Graphs[k] = 0
+		if g == 0 {
+			continue
+		}
+		destroyed = append(destroyed, g)
+		if err := l.graphs.Destroy(g); err != nil && first == nil {
+			first = fmt.Errorf("graphed callable %d (%q): destroying its %s graph: %w", p.CallableIndex, p.Label, k, err)
+		}
+	}
+	if len(destroyed) > 0 {
+		l.mu.Lock()
+		for _, g := range destroyed {
+			delete(l.owner, g)
+		}
+		l.mu.Unlock()
+	}
+	p.Lifecycle = Reset
+	refs := p.PoolRefs
+	p.PoolRefs = 0
+	return refs, first
+}
+
+// DropPass resets pass id if needed and forgets it (Python finalizers). It
+// returns the pool references the reset handed back, which the caller must
+// release. An unknown id is not an error: finalizers may run after an
+// explicit drop.
+func (l *Ledger) DropPass(id int64) (int, error) {
+	l.mu.Lock()
+	p := l.passes[id]
+	delete(l.passes, id)
+	l.mu.Unlock()
+	if p == nil {
+		return 0, nil
+	}
+	// A replay that found the record before it left the map may still hold
+	// it; taking its lock waits for that replay, and later ones see Reset.
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return l.reset(p)
+}
+
+// LivePasses returns how many records exist (not dropped).
+func (l *Ledger) LivePasses() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.passes)
+}

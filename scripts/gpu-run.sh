@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the device tool), in a copy of this repo whose
+# python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
+# Usage: bash scripts/gpu-run.sh [tests] [demo] [bench] [ARGS...]   (default: tests demo)
+# Logs go to $OUT (the device tool's return folder) when set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-/tmp/gograph-gpu-out}"; mkdir -p "$out"
+what=("$@"); [ ${#what[@]} -gt 0 ] || what=(tests demo)
+python3 - <<'PY' 2>&1 | tee "$out/env.log"
+import torch, gograph
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+print("gograph", gograph.__version__, "flavor", gograph.core_flavor(), "cuda_available", gograph.cuda_available(), gograph.cuda_unavailable_reason())
+PY
+rc=0
+for w in "${what[@]}"; do
+  case "$w" in
+    tests) python3 -m pytest -q -rs -m cuda tests 2>&1 | tee "$out/pytest-cuda.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    alltests) python3 -m pytest -q -rs tests 2>&1 | tee "$out/pytest-all.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    demo) python3 examples/demo.py 2>&1 | tee "$out/demo.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    bench) python3 bench/run.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench)"; rc=2 ;;
+  esac
+done
+echo "gpu-run exit status $rc"
+exit $rc

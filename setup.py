@@ -1,0 +1,127 @@
+"""Build gograph: gopy compiles the Go core into one CPython extension per flavor.
+
+- cpu flavor (`gograph._core_cpu`): always built; no CUDA code.
+- cuda flavor (`gograph._core_cuda`): the same Go package with `-tags cuda` (own cgo capture
+  calls + gorgonia.org/cu), built when a cuda.h that gorgonia.org/cu compiles against is found
+  (see build_support/cudastub.py). GOGRAPH_CUDA=1 makes a missing header an error,
+  GOGRAPH_CUDA=0 skips the flavor.
+
+Needs Go and a C compiler on PATH; gopy and goimports are installed from the versions pinned
+in go.mod (tools/tools.go) into .tools/ when missing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from build_support.cudastub import build_link_stub, find_cuda_header  # noqa: E402
+
+log = logging.getLogger("gograph.build")
+GO_PACKAGE = "./gograph"
+GOPY_NAME = "gographcore"
+
+
+class GopyExtension(Extension):
+    """An extension built by `gopy build` rather than from C sources."""
+
+    def __init__(self, name: str, flavor: str):
+        super().__init__(name, sources=[])
+        self.flavor = flavor
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    print("gograph build: " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=HERE, env=env, check=True)
+
+
+def _require_go() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("building gograph needs the Go toolchain (go >= 1.26) on PATH: "
+                           "install Go from your package manager or go.dev, then retry")
+    return go
+
+
+def _ensure_tools(go: str) -> Path:
+    """gopy and goimports at the versions go.mod pins (the module proxy refuses
+    `go install gopy@v0.4.10`, so they are installed through the module's own requirements)."""
+    tools = HERE / ".tools"
+    if not ((tools / "gopy").exists() and (tools / "goimports").exists()):
+        env = dict(os.environ, GOBIN=str(tools))
+        _run([go, "install", "github.com/go-python/gopy", "golang.org/x/tools/cmd/goimports"], env)
+    return tools
+
+
+class BuildGopy(build_ext):
+    def run(self) -> None:
+        choice = os.environ.get("GOGRAPH_CUDA", "").strip()
+        if choice not in ("", "0", "1"):
+            raise RuntimeError(f"GOGRAPH_CUDA must be 0, 1 or unset, not {choice!r}")
+        self._cuda_header = None
+        if choice != "0":
+            header, notes = find_cuda_header()
+            if header is None:
+                msg = "no usable cuda.h for the CUDA flavor:\n  " + "\n  ".join(notes)
+                if choice == "1":
+                    raise RuntimeError(msg + "\nset GOGRAPH_CUDA_INCLUDE to a CUDA 11.8-12.x include "
+                                       "folder or `pip install nvidia-cuda-runtime-cu12`")
+                print("gograph build: skipping the CUDA flavor; " + msg, flush=True)
+            self._cuda_header = header
+        if self._cuda_header is None:
+            self.extensions = [e for e in self.extensions if getattr(e, "flavor", None) != "cuda"]
+        super().run()
+
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, GopyExtension):
+            return super().build_extension(ext)
+        go = _require_go()
+        tools = _ensure_tools(go)
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(tools), str(Path(go).parent), env.get("PATH", "")])
+        # gopy overwrites CGO_CFLAGS/CGO_LDFLAGS with Python's; extra paths go through
+        # CGO_CPPFLAGS and LIBRARY_PATH, which it leaves alone.
+        args = []
+        if ext.flavor == "cuda":
+            header = self._cuda_header
+            stub = build_link_stub(header, HERE / "_gopy_build" / "cudastub")
+            env["CGO_CPPFLAGS"] = (env.get("CGO_CPPFLAGS", "") + f" -I{header.include_dir}").strip()
+            env["LIBRARY_PATH"] = os.pathsep.join(p for p in [str(stub.parent), env.get("LIBRARY_PATH", "")] if p)
+            args.append("-build-tags=cuda")
+            print(f"gograph build: CUDA flavor against {header.include_dir}/cuda.h "
+                  f"(CUDA_VERSION {header.version})", flush=True)
+        # gopy's output folder must lie inside the Go module, and a leading "_" keeps the
+        # generated main package out of `go list ./...`.
+        out = HERE / "_gopy_build" / f"{sysconfig.get_config_var('SOABI')}-{ext.flavor}"
+        shutil.rmtree(out, ignore_errors=True)
+        _run([str(tools / "gopy"), "build", f"-output={out}", f"-vm={sys.executable}", f"-name={GOPY_NAME}",
+              "-rename=true", "-dynamic-link=true", "-no-make", "-no-warn", *args, GO_PACKAGE], env)
+        dest = Path(self.get_ext_fullpath(ext.name))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / f"_{GOPY_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}", dest)
+        # gopy names the wrapper after the Go package (gograph.py); it imports `_gographcore`
+        # and `go` relative to its own package, so it can be renamed to the extension's name.
+        shutil.copy2(out / "gograph.py", dest.parent / f"{GOPY_NAME}.py")
+        shutil.copy2(out / "go.py", dest.parent / "go.py")
+
+
+setup(
+    package_dir={"": "python"},
+    packages=["gograph", "gograph._core_cpu", "gograph._core_cuda"],
+    package_data={"gograph": ["py.typed"], "gograph._core_cpu": ["*.py"], "gograph._core_cuda": ["*.py"]},
+    ext_modules=[
+        GopyExtension(f"gograph._core_cpu._{GOPY_NAME}", "cpu"),
+        GopyExtension(f"gograph._core_cuda._{GOPY_NAME}", "cuda"),
+    ],
+    cmdclass={"build_ext": BuildGopy},
+    zip_safe=False,
+)

@@ -1,0 +1,40 @@
+"""Models and helpers shared by the tests."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def make_mlp(seed: int = 0, d_in: int = 8, d_hidden: int = 16, d_out: int = 4, dropout: float = 0.0,
+             device: torch.device | str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(d_in, d_hidden), torch.nn.ReLU()]
+    if dropout:
+        layers.append(torch.nn.Dropout(dropout))
+    layers += [torch.nn.Linear(d_hidden, d_hidden), torch.nn.Tanh(), torch.nn.Linear(d_hidden, d_out)]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def twin(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent copy of an (ungraphed) model, for eager reference runs."""
+    return copy.deepcopy(model)
+
+
+def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def grads_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    for p, q in zip(a.parameters(), b.parameters()):
+        if (p.grad is None) != (q.grad is None):
+            return False
+        if p.grad is not None and not torch.equal(p.grad, q.grad):
+            return False
+    return True
+
+
+def batches(n: int, shape: tuple[int, ...], seed: int = 1, device: torch.device | str = "cpu",
+            requires_grad: bool = False) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(device).requires_grad_(requires_grad) for _ in range(n)]
