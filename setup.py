@@ -113,6 +113,20 @@ class BuildGopy(build_ext):
         shutil.copy2(out / "gograph.py", dest.parent / f"{GOPY_NAME}.py")
         shutil.copy2(out / "go.py", dest.parent / "go.py")
 
+    def copy_extensions_to_source(self) -> None:
+        # `--inplace` builds in build/ and copies only the .so back; the generated wrappers
+        # must travel with it.
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            if not isinstance(ext, GopyExtension):
+                continue
+            package = ext.name.rsplit(".", 1)[0]
+            src_dir = Path(self.build_lib, *package.split("."))
+            dest_dir = Path(build_py.get_package_dir(package))
+            for f in (f"{GOPY_NAME}.py", "go.py"):
+                shutil.copy2(src_dir / f, dest_dir / f)
+
 
 setup(
     package_dir={"": "python"},

@@ -192,6 +192,37 @@ def test_param_grads_cloned_by_default_accumulate_over_micro_batches():
         assert p.grad.data_ptr() != s.data_ptr()
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_param_grads_never_become_static_buffers_across_steps(set_to_none):
+    model = make_mlp()
+    ref = twin(model)
+    gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    static_ptrs = {s.data_ptr() for s in model.forward.static_grad_inputs[1:]}
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in batches(4, (4, 8), seed=3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=set_to_none)
+            m(x).square().sum().backward()
+            m(x * 2).square().sum().backward()  # a second micro-batch accumulates into .grad
+            o.step()
+        assert grads_equal(model, ref)
+        assert not {p.grad.data_ptr() for p in model.parameters()} & static_ptrs
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_skip_backward_post_hook_params_are_not_cloned():
+    model = make_mlp()
+    marked = list(model.parameters())[0]
+    marked.skip_backward_post_hook = True
+    gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    static = model.forward.static_grad_inputs[1]
+    model(torch.randn(4, 8)).sum().backward()
+    assert marked.grad.data_ptr() == static.data_ptr()  # handed over as is, by request
+    others = list(model.parameters())[1:]
+    static_ptrs = {s.data_ptr() for s in model.forward.static_grad_inputs if s is not None}
+    assert all(p.grad.data_ptr() not in static_ptrs for p in others)
+
+
 def test_param_grads_not_cloned_with_opt_out_alias_static_buffers():
     model = make_mlp()
     ref = twin(model)

@@ -192,6 +192,12 @@ class GraphedCallable:
         self.clone_param_grads_on_return = clone_param_grads_on_return
         self._nondiff_outputs = tuple(i for i, rg in enumerate(output_requires_grad)
                                       if not (rg and has_backward))
+        # (surface index, parameter) of the grads that may need an owned copy on return;
+        # parameters marked skip_backward_post_hook (TransformerEngine/Megatron: their grads
+        # are consumed by a fused wgrad path, never accumulated by autograd) are never cloned.
+        self._param_grad_slots: tuple[tuple[int, torch.nn.Parameter], ...] = tuple(
+            (len_user_args + k, p) for k, p in enumerate(module_params)
+            if clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False))
         self._module_ref = weakref.ref(module) if module is not None else None
         self._training = training
         self._original_forward = original_forward
@@ -284,12 +290,17 @@ class GraphedCallable:
             if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         self.engine.replay(self.pass_id, BACKWARD)
-        n_user = self.len_user_args
-        clone = self.clone_param_grads_on_return
-        return tuple(
-            None if b is None else (b.clone() if clone and i >= n_user else b.detach())
-            for i, b in enumerate(self.static_grad_inputs)
-        )
+        out = [None if b is None else b.detach() for b in self.static_grad_inputs]
+        # A parameter's grad must not *become* a static buffer: when .grad is None, AccumulateGrad
+        # steals the incoming tensor as .grad, and the next replay would overwrite it (pytorch
+        # issue 181723). When .grad exists, AccumulateGrad adds into it (in place, or out of place
+        # under create_graph) and keeps nothing, so the clone -- a kernel and an allocation per
+        # parameter per step -- is only paid where it is needed.
+        for i, param in self._param_grad_slots:
+            b = out[i]
+            if b is not None and param.grad is None:
+                out[i] = b.clone()
+        return tuple(out)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -311,6 +322,7 @@ class GraphedCallable:
             self.static_grad_outputs = ()
             self.static_grad_inputs = ()
             self.module_params = ()
+            self._param_grad_slots = ()
         log.debug("gograph: reset pass %d (%s)", self.pass_id, self.label)
 
 
@@ -543,10 +555,13 @@ def make_graphed_callables(
         engine: None picks :class:`~gograph.engines.CudaEngine` for CUDA sample tensors (the
             cuda flavor of the core must be loaded) and the eager reference engine for CPU
             tensors; ``"cuda"``, ``"eager"`` or an :class:`~gograph.engines.Engine` force one.
-        clone_param_grads_on_return: return parameter gradients as clones of the static grad
-            buffers (default) so ``.grad`` accumulates correctly across micro-batches; with
-            False the static buffer itself may become a parameter's ``.grad`` (torch's
-            behaviour, pytorch issue 181723).
+        clone_param_grads_on_return: never let a static grad buffer become a parameter's
+            ``.grad`` (default), so ``.grad`` accumulates correctly across micro-batches. A
+            parameter whose ``.grad`` is None at backward time gets an owned clone (autograd
+            would otherwise adopt the buffer the next replay overwrites); one whose ``.grad``
+            exists gets the buffer, which autograd only adds into. Parameters with
+            ``skip_backward_post_hook=True`` are never cloned. With False the static buffer
+            itself may become ``.grad`` (torch's behaviour, pytorch issue 181723).
 
     Returns:
         The graphed callable(s), in the structure of ``callables``. A module is returned
