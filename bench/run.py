@@ -100,6 +100,11 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
     if maker == "gograph":
         for g in graphed:
             g.reset()
+    # Back to the ungraphed modules: torch keeps its graphs in closures on each layer's
+    # forward attribute, gograph in the GraphedCallable there; deleting the attribute drops them.
+    for layer in layers:
+        del layer.forward
+        layer.__dict__.pop("reset", None)
     del graphed, samples
     gc.collect()
     torch.cuda.synchronize()
@@ -108,7 +113,7 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
     # Eager reference on fresh layers (the graphed ones had forward replaced).
     eager_layers = make_layers(w)
     eager_step = time_steps(eager_layers, x, steps)
-    del layers, eager_layers, x
+    del eager_layers, layers, x
     gc.collect()
     torch.cuda.empty_cache()
     return dict(workload=w.name, maker=maker, capture_s=capture_s, peak_mib=peak / MiB,

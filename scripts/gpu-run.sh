@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool), in a copy of this repo whose
 # python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
-# Usage: bash scripts/gpu-run.sh [tests] [demo] [bench] [ARGS...]   (default: tests demo)
+# Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline]   (default: tests demo)
 # Logs go to $OUT (the device tool's return folder) when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,9 @@ for w in "${what[@]}"; do
     alltests) python3 -m pytest -q -rs tests 2>&1 | tee "$out/pytest-all.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     demo) python3 examples/demo.py 2>&1 | tee "$out/demo.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     bench) python3 bench/run.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench)"; rc=2 ;;
+    profile) python3 bench/profile_replay.py 2>&1 | tee "$out/profile.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    pipeline) python3 bench/pipeline.py --json "$out/pipeline.json" 2>&1 | tee "$out/pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"
