@@ -12,7 +12,7 @@ GO ?= go
 # The CUDA header and link stub that `setup.py` found/made, reused for `go vet -tags cuda`.
 CUDA_INCLUDE = $(shell $(PY) -c 'from build_support.cudastub import find_cuda_header as f; h=f()[0]; print(h.include_dir if h else "")')
 
-.PHONY: venv build test test-go test-py vet fuzz demo bench gpu-bundle gpu-run clean
+.PHONY: venv build test test-go test-py vet fuzz fuzz-short demo bench gpu-bundle gpu-run clean
 
 venv: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
@@ -37,11 +37,16 @@ test-py: build
 	PYTHONPATH=python $(PY) -m pytest -q tests
 
 # The README's test command: Go vet + race tests, both flavors compiled, pytest (CPU here;
-# `cuda`-marked tests skip with a reason when there is no GPU).
-test: test-go test-py
+# `cuda`-marked tests skip with a reason when there is no GPU), and a short run of every fuzz target.
+test: test-go test-py fuzz-short
+
+# Every Go fuzz target (discovered with `go test -list`), one after the other: ~5s each in
+# `make test`, longer with `make fuzz` (FUZZTIME=10m make fuzz for a soak; see docs/RELIABILITY.md).
+fuzz-short:
+	GO=$(GO) FUZZTIME=$${FUZZTIME:-5s} bash scripts/fuzz.sh
 
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzLifecycle -fuzztime $${FUZZTIME:-30s} ./internal/state
+	GO=$(GO) FUZZTIME=$${FUZZTIME:-60s} bash scripts/fuzz.sh
 
 # The README's main job: graph a small model and print what it gained.
 demo: build

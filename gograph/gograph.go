@@ -3,8 +3,10 @@
 // contract is docs/CORE_API.md.
 //
 // The package is deliberately thin: logic lives in internal/cudagraph (the
-// capture engine) and internal/state (pass records). What it adds is the
-// boundary discipline gopy needs:
+// capture engine), internal/state (pass records), internal/schedule (pipeline
+// schedules) and internal/lifetime (buffer lifetimes and slots; the last two
+// are exported by plan.go). What it adds is the boundary discipline gopy
+// needs:
 //
 //   - only int, int64, string, bool and error cross (gopy cannot take Python
 //     lists or dicts, and handles are plain integers);
@@ -13,7 +15,12 @@
 //     panic into a returned error (a Python RuntimeError); functions without
 //     an error result are kept trivially panic-free;
 //   - no exported variables or types, so gopy generates nothing but these
-//     functions.
+//     functions;
+//   - no function has an error as its only result: gopy v0.4.10's wrapper of
+//     that shape returns a C string it never frees (the empty string on
+//     success, the message on failure: 30-50 bytes lost per call, measured),
+//     so such functions return (ok bool, err error) instead, which frees
+//     everything. hardening_test.go checks both rules for every export.
 package gograph
 
 import (
@@ -41,6 +48,10 @@ func recoverPanic(name string, err *error) {
 		*err = fmt.Errorf("%s: internal panic: %v", name, r)
 	}
 }
+
+// done is the (ok, err) result of an operation that yields nothing but an
+// error (see the package doc: no export returns an error alone).
+func done(err error) (bool, error) { return err == nil, err }
 
 // opErr prefixes an error from a driver query with the Python name of the
 // function that made it, as the capture engine does for its own errors.
@@ -94,10 +105,10 @@ func DeviceTotalMemory(ordinal int) (bytes int64, err error) {
 // ---- Capture engine ----
 
 // BeginCapture starts capture on stream (a torch cuda_stream value) in mode
-// (0 global, 1 thread_local, 2 relaxed).
-func BeginCapture(stream int64, mode int) (err error) {
+// (0 global, 1 thread_local, 2 relaxed). It returns true on success.
+func BeginCapture(stream int64, mode int) (ok bool, err error) {
 	defer recoverPanic("begin_capture", &err)
-	return engine.BeginCapture(stream, mode)
+	return done(engine.BeginCapture(stream, mode))
 }
 
 // EndCapture ends capture on stream, instantiates the graph and returns its
@@ -108,10 +119,10 @@ func EndCapture(stream int64) (graph int64, err error) {
 }
 
 // AbortCapture ends whatever capture stream is in and destroys the result;
-// no error when nothing was capturing.
-func AbortCapture(stream int64) (err error) {
+// no error when nothing was capturing. It returns true on success.
+func AbortCapture(stream int64) (ok bool, err error) {
 	defer recoverPanic("abort_capture", &err)
-	return engine.AbortCapture(stream)
+	return done(engine.AbortCapture(stream))
 }
 
 // CaptureStatus returns stream's capture status: 0 none, 1 active, 2 invalidated.
@@ -127,10 +138,11 @@ func ExchangeCaptureMode(mode int) (prev int, err error) {
 	return engine.ExchangeCaptureMode(mode)
 }
 
-// UploadGraph uploads graph to the device on stream.
-func UploadGraph(graph, stream int64) (err error) {
+// UploadGraph uploads graph to the device on stream. It returns true on
+// success.
+func UploadGraph(graph, stream int64) (ok bool, err error) {
 	defer recoverPanic("upload_graph", &err)
-	return engine.Upload(graph, stream)
+	return done(engine.Upload(graph, stream))
 }
 
 // LaunchGraph launches graph on stream; it returns true on success.
@@ -149,9 +161,9 @@ func LaunchGraph(graph, stream int64) (launched bool, err error) {
 
 // DestroyGraph frees graph and unregisters its handle. Graphs attached to a
 // pass are destroyed by ResetPass instead.
-func DestroyGraph(graph int64) (err error) {
+func DestroyGraph(graph int64) (ok bool, err error) {
 	defer recoverPanic("destroy_graph", &err)
-	return engine.Destroy(graph)
+	return done(engine.Destroy(graph))
 }
 
 // GraphNodeCount returns how many nodes graph has.
@@ -174,21 +186,26 @@ func NewPass(callableIndex int, label string) (pass int64, err error) {
 
 // AttachGraph gives pass ownership of graph for kind (0 forward, 1 backward,
 // 2 wgrad); graph 0 records a kind with nothing to launch.
-func AttachGraph(pass int64, kind int, graph int64) (err error) {
+func AttachGraph(pass int64, kind int, graph int64) (ok bool, err error) {
 	defer recoverPanic("attach_graph", &err)
-	return passes.AttachGraph(pass, state.Kind(kind), graph)
+	if graph != 0 && !engine.Has(graph) {
+		// A pass must own only graphs that exist, or its reset would fail
+		// to destroy them (found by FuzzBoundary).
+		return false, fmt.Errorf("attach_graph: unknown graph handle %d (never created or already destroyed)", graph)
+	}
+	return done(passes.AttachGraph(pass, state.Kind(kind), graph))
 }
 
 // AddPoolRef records that pass took one reference on its memory pool.
-func AddPoolRef(pass int64) (err error) {
+func AddPoolRef(pass int64) (ok bool, err error) {
 	defer recoverPanic("add_pool_ref", &err)
-	return passes.AddPoolRef(pass)
+	return done(passes.AddPoolRef(pass))
 }
 
 // SealPass moves pass from "building" to "ready".
-func SealPass(pass int64) (err error) {
+func SealPass(pass int64) (ok bool, err error) {
 	defer recoverPanic("seal_pass", &err)
-	return passes.Seal(pass)
+	return done(passes.Seal(pass))
 }
 
 // Replay launches pass's graph of kind on stream: the replay hot path. It
@@ -228,10 +245,10 @@ func ResetPass(pass int64) (refs int, err error) {
 // DropPass resets pass if needed and forgets it; an unknown id is not an
 // error. Pool references still held are not returned: call ResetPass first
 // to release them.
-func DropPass(pass int64) (err error) {
+func DropPass(pass int64) (ok bool, err error) {
 	defer recoverPanic("drop_pass", &err)
 	_, err = passes.DropPass(pass)
-	return err
+	return done(err)
 }
 
 // LivePasses returns how many pass records exist (not dropped).
@@ -239,7 +256,7 @@ func LivePasses() int { return passes.LivePasses() }
 
 // TriggerPanicForTest panics inside Go, to prove a panic comes back to Python
 // as a RuntimeError instead of aborting the interpreter.
-func TriggerPanicForTest() (err error) {
+func TriggerPanicForTest() (ok bool, err error) {
 	defer recoverPanic("trigger_panic_for_test", &err)
 	panic("deliberate panic for testing the boundary")
 }

@@ -33,17 +33,17 @@ func TestCaptureCallsNeedCUDA(t *testing.T) {
 	_, errs["device_count"] = DeviceCount()
 	_, errs["device_name"] = DeviceName(0)
 	_, errs["device_total_memory"] = DeviceTotalMemory(0)
-	errs["begin_capture"] = BeginCapture(s, 0)
+	errs["begin_capture"] = errOf(BeginCapture(s, 0))
 	_, errs["capture_status"] = CaptureStatus(s)
 	_, errs["exchange_capture_mode"] = ExchangeCaptureMode(1)
-	errs["abort_capture"] = AbortCapture(s)
+	errs["abort_capture"] = errOf(AbortCapture(s))
 	for name, err := range errs {
 		if want := name + ": " + noCUDA; err == nil || err.Error() != want {
 			t.Errorf("%s: got %v, want %q", name, err, want)
 		}
 	}
 	// Argument checks come first, so their messages are the same in both flavors.
-	if err := BeginCapture(0, 0); err == nil || !strings.Contains(err.Error(), "refusing to capture the legacy default stream (0)") {
+	if _, err := BeginCapture(0, 0); err == nil || !strings.Contains(err.Error(), "refusing to capture the legacy default stream (0)") {
 		t.Errorf("BeginCapture(0): %v", err)
 	}
 	if _, err := EndCapture(s); err == nil || !strings.Contains(err.Error(), "is not capturing through gograph") {
@@ -55,8 +55,8 @@ func TestCaptureCallsNeedCUDA(t *testing.T) {
 	}
 	for name, err := range map[string]error{
 		"launch_graph":  launchErr,
-		"upload_graph":  UploadGraph(1, s),
-		"destroy_graph": DestroyGraph(1),
+		"upload_graph":  errOf(UploadGraph(1, s)),
+		"destroy_graph": errOf(DestroyGraph(1)),
 	} {
 		if err == nil || !strings.HasPrefix(err.Error(), name+": unknown graph handle 1") {
 			t.Errorf("%s: %v", name, err)
@@ -77,11 +77,11 @@ func TestEagerPassLifecycle(t *testing.T) {
 		t.Fatalf("NewPass = %d, %v", p, err)
 	}
 	for _, step := range []error{
-		AttachGraph(p, 0, 0),
-		AttachGraph(p, 1, 0),
-		AddPoolRef(p),
-		AddPoolRef(p),
-		SealPass(p),
+		errOf(AttachGraph(p, 0, 0)),
+		errOf(AttachGraph(p, 1, 0)),
+		errOf(AddPoolRef(p)),
+		errOf(AddPoolRef(p)),
+		errOf(SealPass(p)),
 	} {
 		if step != nil {
 			t.Fatal(step)
@@ -117,10 +117,10 @@ func TestEagerPassLifecycle(t *testing.T) {
 	if s, _ := PassState(p); s != "reset" {
 		t.Fatalf("PassState = %q", s)
 	}
-	if err := DropPass(p); err != nil {
+	if _, err := DropPass(p); err != nil {
 		t.Fatal(err)
 	}
-	if err := DropPass(p); err != nil { // finalizer after an explicit drop
+	if _, err := DropPass(p); err != nil { // finalizer after an explicit drop
 		t.Fatal(err)
 	}
 	if _, err := PassState(p); err == nil || err.Error() != "unknown pass "+strconv.FormatInt(p, 10) {
@@ -137,10 +137,10 @@ func TestPassErrors(t *testing.T) {
 	if _, err := Replay(p, 0, 0); err == nil || err.Error() != `graphed callable 0 ("fc") is still being captured` {
 		t.Fatalf("Replay while building: %v", err)
 	}
-	if err := AttachGraph(p, 5, 0); err == nil || !strings.Contains(err.Error(), "unknown graph kind 5") {
+	if _, err := AttachGraph(p, 5, 0); err == nil || !strings.Contains(err.Error(), "unknown graph kind 5") {
 		t.Fatalf("AttachGraph(kind 5): %v", err)
 	}
-	if err := SealPass(-7); err == nil || err.Error() != "unknown pass -7" {
+	if _, err := SealPass(-7); err == nil || err.Error() != "unknown pass -7" {
 		t.Fatalf("SealPass(-7): %v", err)
 	}
 	if _, err := NewPass(-1, "x"); err == nil {
@@ -149,8 +149,8 @@ func TestPassErrors(t *testing.T) {
 }
 
 func TestPanicBecomesError(t *testing.T) {
-	err := TriggerPanicForTest()
-	if err == nil || !strings.HasPrefix(err.Error(), "trigger_panic_for_test: internal panic: ") {
+	ok, err := TriggerPanicForTest()
+	if ok || err == nil || !strings.HasPrefix(err.Error(), "trigger_panic_for_test: internal panic: ") {
 		t.Fatalf("TriggerPanicForTest = %v", err)
 	}
 	// A runtime error (not only an explicit panic) is recovered the same way.

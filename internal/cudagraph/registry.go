@@ -48,10 +48,11 @@ type graphPair struct {
 	exec  RawExec
 }
 
-// NewRegistry returns an empty registry over drv.
+// NewRegistry returns an empty registry over drv. A panic in a drv call is
+// recovered and handled as that call's error (see PanicError).
 func NewRegistry(drv Driver) *Registry {
 	return &Registry{
-		drv:       drv,
+		drv:       recovering(drv),
 		capturing: make(map[uintptr]captureState),
 		graphs:    make(map[int64]graphPair),
 		next:      1,
@@ -354,6 +355,14 @@ func (r *Registry) Destroy(graph int64) error {
 		return opError(op, err)
 	}
 	return nil
+}
+
+// Has reports whether graph is a registered handle now.
+func (r *Registry) Has(graph int64) bool {
+	r.graphMu.RLock()
+	defer r.graphMu.RUnlock()
+	_, ok := r.graphs[graph]
+	return ok
 }
 
 // LiveGraphs returns how many graphs are registered now.

@@ -89,12 +89,18 @@ type Pass struct {
 	Has           [NumKinds]bool  // whether a kind was attached (even with handle 0)
 	PoolRefs      int             // memory-pool references taken and not yet handed back
 	Lifecycle     Lifecycle
+	Pool          string        // key of the pool its captures were recorded in (order.go)
+	Seq           [NumKinds]int // capture sequence number in Pool by Kind; 0 = not recorded
+	CheckOrder    bool          // the replay-order guard is on (order.go)
 }
 
 // record is a Pass in the ledger, with the lock that guards it.
 type record struct {
 	mu sync.Mutex
 	Pass
+	order  *poolOrder     // capture order of Pool; nil until a capture is recorded
+	chain  [NumKinds]Kind // recorded kinds in capture order (order.go)
+	nchain int
 }
 
 func (p *Pass) errReset() error {
@@ -113,12 +119,13 @@ type Ledger struct {
 	passes map[int64]*record
 	owner  map[int64]int64 // graph handle -> id of the pass that owns it
 	next   int64
+	pools  map[string]*poolOrder // capture order by pool key (order.go)
 }
 
 // NewLedger returns an empty ledger that frees and launches through g.
 func NewLedger(g Graphs) *Ledger {
 	return &Ledger{
-		graphs: g,
+		graphs: recoverGraphs(g), // a panic in g comes back as its call's error (recover.go)
 		passes: make(map[int64]*record),
 		owner:  make(map[int64]int64),
 		next:   1,
@@ -247,7 +254,13 @@ func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
 		return false, fmt.Errorf("graphed callable %d (%q) is still being captured", p.CallableIndex, p.Label)
 	case !p.Has[kind]:
 		return false, fmt.Errorf("graphed callable %d (%q) has no %s graph", p.CallableIndex, p.Label, kind)
-	case p.Graphs[kind] == 0:
+	}
+	if p.CheckOrder {
+		if err := p.order.checkReplay(p, kind); err != nil {
+			return false, err
+		}
+	}
+	if p.Graphs[kind] == 0 {
 		return false, nil
 	}
 	if err := l.graphs.Launch(p.Graphs[kind], stream); err != nil {
@@ -328,6 +341,9 @@ func (l *Ledger) reset(p *record) (int, error) {
 		l.mu.Unlock()
 	}
 	p.Lifecycle = Reset
+	if p.CheckOrder {
+		p.order.close(p.ID) // a reset pass needs nothing any more
+	}
 	refs := p.PoolRefs
 	p.PoolRefs = 0
 	return refs, first
@@ -349,6 +365,13 @@ func (l *Ledger) DropPass(id int64) (int, error) {
 	// it; taking its lock waits for that replay, and later ones see Reset.
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if po := p.order; po != nil {
+		l.mu.Lock()
+		if po.refs--; po.refs <= 0 && l.pools[po.key] == po {
+			delete(l.pools, po.key) // no record left in the pool: forget its order
+		}
+		l.mu.Unlock()
+	}
 	return l.reset(p)
 }
 

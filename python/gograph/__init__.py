@@ -12,6 +12,9 @@ Public names:
 * :func:`graph_pool_handle` -- a pool token to share between calls
 * :func:`cuda_available`, :func:`cuda_unavailable_reason` -- which core flavor was loaded, and why
 * :func:`live_graphs`, :func:`live_passes` -- leak checks against the core's registries
+* :func:`memory_report` -- what graphed callables hold, pass by pass (:mod:`gograph.memory`)
+* :class:`BufferReuse`, :class:`ScheduleError`, :func:`megatron_order` -- TransformerEngine's pipeline
+  schedules (``_order``) and buffer reuse, planned by the Go core (:mod:`gograph._schedule`)
 * :mod:`gograph.engines` -- :class:`~gograph.engines.CudaEngine`, :class:`~gograph.engines.EagerEngine`
 """
 from __future__ import annotations
@@ -19,7 +22,16 @@ from __future__ import annotations
 from . import _native
 from ._native import cuda_available, cuda_unavailable_reason
 from .engines import CudaEngine, EagerEngine, EagerPool, Engine
-from .graphs import GraphedCallable, graph_pool_handle, live_graphs, live_passes, make_graphed_callables
+from .memory import MemoryReport, memory_report
+from ._schedule import BufferReuse, ScheduleError, megatron_order
+from .graphs import (
+    GraphedCallable,
+    StaticInputMismatchError,
+    graph_pool_handle,
+    live_graphs,
+    live_passes,
+    make_graphed_callables,
+)
 
 
 def _version() -> str:
@@ -48,11 +60,16 @@ def core_flavor() -> str:
     return str(_native.core.flavor())
 
 __all__ = [
+    "BufferReuse",
+    "ScheduleError",
+    "megatron_order",
     "CudaEngine",
     "EagerEngine",
     "EagerPool",
     "Engine",
     "GraphedCallable",
+    "MemoryReport",
+    "StaticInputMismatchError",
     "__version__",
     "cuda_available",
     "core_flavor",
@@ -62,4 +79,5 @@ __all__ = [
     "live_graphs",
     "live_passes",
     "make_graphed_callables",
+    "memory_report",
 ]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import _native
+from . import _native, _observe
 
 __all__ = [
     "FORWARD",
@@ -63,6 +63,26 @@ Body = Callable[..., Sequence["torch.Tensor | None"]]
 
 def _core() -> Any:
     return _native.core
+
+
+class _CaptureState(threading.local):
+    """Per-thread count of the engine captures underway on this thread (any engine).
+
+    A graphed callable called while it is non-zero would replay a graph inside another
+    callable's capture (nested capture), which gograph refuses; ``make_graphed_callables``
+    refuses to start then too. Thread-local, so that replays on other threads are unaffected.
+    """
+
+    depth = 0
+
+
+CAPTURE_STATE = _CaptureState()
+"""This thread's :class:`_CaptureState` (read on the replay hot path: one attribute access)."""
+
+
+def capturing_on_this_thread() -> bool:
+    """True while an :meth:`Engine.capture` is underway on the calling thread."""
+    return CAPTURE_STATE.depth > 0
 
 
 class Engine(abc.ABC):
@@ -109,11 +129,19 @@ class Engine(abc.ABC):
         but the pool reference it took stays recorded on the pass (released by :meth:`release`).
 
         Passes finalized (garbage-collected) while a capture is underway are released after it.
+        A successful capture is recorded with the core (its sequence number in the pool, which
+        the replay-order guard checks replays against), logged at INFO with its time and memory
+        delta, and counted by the progress bar of the build underway (``gograph._observe``).
         """
         self._capture_depth += 1
+        CAPTURE_STATE.depth += 1
         try:
-            return self._capture(pass_id, kind, body, *body_args, pool=pool, uses_rng=uses_rng)
+            probe = _observe.CaptureProbe(self, pass_id, kind, pool, body)
+            result = self._capture(pass_id, kind, body, *body_args, pool=pool, uses_rng=uses_rng)
+            probe.finished()
+            return result
         finally:
+            CAPTURE_STATE.depth -= 1
             self._capture_depth -= 1
             if self._capture_depth == 0 and self._deferred:
                 self._drain_deferred()
@@ -183,6 +211,26 @@ class Engine(abc.ABC):
     def synchronize(self) -> None:
         """Waits for device work (no-op on the eager engine)."""
 
+    # -- introspection (memory report, logging); optional for new engines ---------------------
+    def pool_key(self, pool: Hashable) -> str:
+        """A string naming ``pool`` for the core's capture order: equal for captures that share
+        the pool, different for different pools (pool tokens stay alive as long as their
+        graphed callables, so ``repr`` is enough for the built-in tokens)."""
+        return f"{self.name}/{pool!r}"
+
+    def memory_allocated(self) -> int | None:
+        """Bytes allocated on the engine's device now (None when not measurable, e.g. eager)."""
+        return None
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes allocated on the engine's device (None when not measurable)."""
+        return None
+
+    def pool_memory(self, pool: Hashable) -> tuple[int, int, int] | None:
+        """(reserved, active, segments) of ``pool``'s memory on the device, or None when the
+        engine allocates no pool memory (eager)."""
+        return None
+
 
 # ---------------------------------------------------------------------------------------------
 # CUDA
@@ -235,6 +283,10 @@ class CudaEngine(Engine):
         # RNG companion graphs by (pass id, kind): the Python-side part of a CUDA pass (its
         # graphs themselves are owned by the core's record).
         self._companions: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Pool references each pass took, mirrored from the core's record: when reset_pass raises
+        # (a graph failed to be destroyed) Python gets no count back, though the core did reset
+        # the pass and zero its references; this mirror says how many must still be released.
+        self._pass_pool_refs: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"CudaEngine(device={self.device})"
@@ -288,6 +340,7 @@ class CudaEngine(Engine):
                         except BaseException:
                             torch._C._cuda_releasePool(idx, pool)
                             raise
+                        self._pass_pool_refs[pass_id] = self._pass_pool_refs.get(pass_id, 0) + 1
                         core.begin_capture(sid, CAPTURE_MODE_GLOBAL)
                         try:
                             result = tuple(body(*body_args))
@@ -354,7 +407,15 @@ class CudaEngine(Engine):
                 raise
 
     def replay(self, pass_id: int, kind: int) -> None:
-        # The hot path: one dict probe (RNG companion), one raw current-stream query, one core call.
+        # The hot path: one capture-status query, one dict probe (RNG companion), one raw
+        # current-stream query, one core call.
+        if torch._C._cuda_isCurrentStreamCapturing():
+            raise RuntimeError(
+                f"gograph: cannot replay the {KIND_NAMES.get(kind, kind)} graph of pass {pass_id} while the "
+                "current CUDA stream is capturing (inside torch.cuda.graph or another "
+                "make_graphed_callables capture): a graphed callable cannot run inside a second capture. "
+                "Graph the callables together in one make_graphed_callables call, or run the original "
+                "(ungraphed) module inside the capture.")
         if self._companions:
             companion = self._companions.get((pass_id, kind))
             if companion is not None:
@@ -362,13 +423,30 @@ class CudaEngine(Engine):
         _core().replay(pass_id, kind, torch._C._cuda_getCurrentRawStream(self.device_index))
 
     def release(self, pass_id: int, pool: Hashable) -> None:
-        n = int(_core().reset_pass(pass_id))
+        held = self._pass_pool_refs.pop(pass_id, 0)
+        failure: Exception | None = None
+        try:
+            n = int(_core().reset_pass(pass_id))
+        except RuntimeError as e:
+            # The core reset the pass and zeroed its references despite the error (a graph that
+            # failed to be destroyed): release the references it took, then report the error.
+            n, failure = held, e
+        if n:
+            # A replay on another thread may have launched between the caller's synchronize and
+            # the reset (the core orders the two, but the launched work may still be running):
+            # the pool's memory goes back to the allocator only once the device is done with it.
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as e:  # the references must still be released
+                log.warning("gograph: synchronize before releasing pass %d's pool: %s", pass_id, str(e))
         for _ in range(n):
             torch._C._cuda_releasePool(self.device_index, pool)
         for kind in KIND_NAMES:
             companion = self._companions.pop((pass_id, kind), None)
             if companion is not None:
                 companion.reset()
+        if failure is not None:
+            raise failure
 
     # warmup and RNG
     @contextlib.contextmanager
@@ -395,6 +473,30 @@ class CudaEngine(Engine):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def memory_allocated(self) -> int | None:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def pool_memory(self, pool: Hashable) -> tuple[int, int, int] | None:
+        # The caching allocator's segments owned by this private pool (segment_pool_id is the
+        # pool's id pair, as graph_pool_handle() returns it).
+        try:
+            want: tuple[Any, ...] = tuple(pool)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        reserved = active = segments = 0
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device", self.device_index) != self.device_index:
+                continue
+            if tuple(seg.get("segment_pool_id", ())) != want:
+                continue
+            reserved += int(seg.get("total_size", 0))
+            active += int(seg.get("active_size", 0))
+            segments += 1
+        return reserved, active, segments
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,13 +590,20 @@ class EagerEngine(Engine):
 
     def replay(self, pass_id: int, kind: int) -> None:
         _core().replay(pass_id, kind, 0)  # lifecycle check; raises after reset
-        record = self._passes[pass_id]
+        record = self._passes.get(pass_id)
+        if record is None:  # released by another thread since the lifecycle check
+            _core().replay(pass_id, kind, 0)  # raises the core's "... was reset ..." message
+            raise RuntimeError(f"gograph eager engine: pass {pass_id} was reset during its replay")
         entry = record.entries[kind]
         if kind == FORWARD:
             with torch.set_grad_enabled(entry.grad_enabled):
                 new = tuple(entry.body(*entry.body_args))
             if BACKWARD in record.entries:
                 record.live_outputs = new
+        elif kind == WGRAD:
+            # A delayed weight gradient reads what the submodules kept from the latest backward.
+            with torch.set_grad_enabled(entry.grad_enabled):
+                new = tuple(entry.body(*entry.body_args))
         else:
             live = record.live_outputs
             if live is None:

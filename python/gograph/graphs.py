@@ -17,14 +17,22 @@ Per-callable state is explicit data on the :class:`GraphedCallable` (no closures
 through one module-level :class:`torch.autograd.Function`. Each GraphedCallable owns exactly one
 pass: :meth:`GraphedCallable.reset` releases its graphs and pool references and nothing else; a
 ``weakref.finalize`` releases and forgets the pass when the object is garbage.
+
+TransformerEngine's extensions (``sample_kwargs``, ``_order``/``_num_layers_per_chunk``,
+``_reuse_graph_input_output_buffers``, delayed weight gradients, ``capture_time_hooks``,
+``pre_warmup_hook``/``post_warmup_hook``, ``retain_graph_in_backward``) are planned by the Go
+core (``plan_schedule``, ``plan_buffers``; see :mod:`gograph._schedule`): steps 3-4 then follow
+the core's schedule -- the default one (fwd 0..n-1, bwd n-1..0) or the expansion of ``_order``
+-- and a *pass* is one forward of one callable (TransformerEngine's indexing).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union, overload
 
 import torch
@@ -32,10 +40,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import _native
+from . import _native, _observe, _schedule
 from .engines import (
     BACKWARD,
+    CAPTURE_STATE as _CAPTURE_STATE,
     FORWARD,
+    WGRAD,
     CudaEngine,
     EagerEngine,
     EagerPool,
@@ -50,12 +60,19 @@ __all__ = [
     "graph_pool_handle",
     "live_graphs",
     "live_passes",
+    "StaticInputMismatchError",
 ]
 
 log = logging.getLogger("gograph")
 
 _ModuleOrCallable = Union[torch.nn.Module, Callable[..., object]]
 _T = TypeVar("_T", bound=_ModuleOrCallable)
+
+
+class StaticInputMismatchError(ValueError, RuntimeError):
+    """A graphed callable was called with a tensor whose shape, dtype or device differs from
+    its sample arg's. A ValueError (a bad argument) that is also a RuntimeError (what torch
+    raises for the same mismatch in eager code)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,20 +95,30 @@ class _ForwardBody:
         self.out_spec: pytree.TreeSpec | None = None
         self.label = label
 
-    def __call__(self, *args: Any) -> tuple[Tensor, ...]:
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
         if self._module_ref is not None:
             module = self._module_ref()
             if module is None:
                 raise RuntimeError(f"gograph: the graphed module {self.label} no longer exists")
-            out = self._fn(module, *args)
+            out = self._fn(module, *args, **kwargs)
         else:
-            out = self._fn(*args)
+            out = self._fn(*args, **kwargs)
+        if out is None:
+            raise TypeError(
+                f"gograph: a graphed callable must return at least one Tensor; {self.label} returned None. "
+                "Return the tensors it computes (work that only updates state in place belongs in "
+                "torch.cuda.graph)")
         leaves, spec = pytree.tree_flatten(out)
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, Tensor):
                 raise TypeError(
                     f"gograph: the outputs of a graphed callable must be Tensors (in any pytree "
                     f"structure); output leaf {i} of {self.label} is a {type(leaf).__name__}")
+        if not leaves:
+            raise TypeError(
+                f"gograph: a graphed callable must return at least one Tensor; {self.label} returned "
+                f"an empty {type(out).__name__}. Return the tensors it computes (work that only updates "
+                "state in place belongs in torch.cuda.graph)")
         self.out_spec = spec
         return tuple(leaves)
 
@@ -102,14 +129,15 @@ class _BackwardBody:
     the forward outputs it differentiates (the capture's, or on the eager engine the latest
     forward replay's)."""
 
-    __slots__ = ("inputs", "grad_outputs", "output_mask", "allow_unused")
+    __slots__ = ("inputs", "grad_outputs", "output_mask", "allow_unused", "retain_graph")
 
     def __init__(self, inputs: tuple[Tensor, ...], grad_outputs: tuple[Tensor, ...],
-                 output_mask: tuple[bool, ...], allow_unused: bool) -> None:
+                 output_mask: tuple[bool, ...], allow_unused: bool, retain_graph: bool = False) -> None:
         self.inputs = inputs
         self.grad_outputs = grad_outputs
         self.output_mask = output_mask
         self.allow_unused = allow_unused
+        self.retain_graph = retain_graph  # TransformerEngine's retain_graph_in_backward
 
     def __call__(self, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
         outs = tuple(o for o, m in zip(outputs, self.output_mask) if m)
@@ -119,6 +147,7 @@ class _BackwardBody:
             grad_outputs=self.grad_outputs,
             only_inputs=True,
             allow_unused=self.allow_unused,
+            retain_graph=self.retain_graph or None,
         ))
 
 
@@ -136,7 +165,15 @@ class GraphedCallable:
 
     * ``static_input_surface`` -- the flattened sample args followed by the module's parameters.
       Graphs read these tensors: a call copies each user arg into its static input unless it *is*
-      that tensor (same ``data_ptr``). Shapes, dtypes and devices must match ``sample_args``.
+      that tensor (same ``data_ptr``). Shapes, dtypes and devices must match ``sample_args``:
+      a call that differs raises ValueError (no silent broadcast or cast), as do args of another
+      pytree structure or count (TypeError), and -- for a callable with a backward graph -- an
+      arg that requires grad where its sample arg did not (its grad would be silently dropped).
+    * each forward call can be differentiated once: a second backward through the same outputs
+      raises RuntimeError (the graph's activations are consumed, as with ``retain_graph=False``).
+    * calling a graphed callable while a CUDA graph capture is underway on the calling thread
+      (inside another ``make_graphed_callables`` capture or ``torch.cuda.graph``) raises
+      RuntimeError: graphs cannot be replayed inside another capture.
     * the returned outputs are detached views of ``static_outputs``: the **next forward replay
       overwrites them**. Clone what must outlive the next call.
     * input gradients are detached views of ``static_grad_inputs``, overwritten by the next
@@ -150,6 +187,19 @@ class GraphedCallable:
     buffers; a second call is harmless; calling the callable afterwards raises RuntimeError (the
     core's message says it was reset). When the object is garbage its finalizer releases and
     forgets the pass. The module (for a graphed module) is referenced through a weakref only.
+
+    TransformerEngine's extensions:
+
+    * captured ``sample_kwargs`` are flattened after the positional args (in key order) into the
+      static input surface; every call must pass each captured kwarg by name (a missing one is a
+      TypeError), kwargs that were not captured are refused;
+    * ``cuda_graph_stream=`` / ``cuda_graph_event=`` (call kwargs, not forwarded): replay on that
+      stream after it waits for the current one; the current stream then waits for the event
+      (recorded by the graph) or, without one, for the whole stream. Ignored by the eager engine;
+    * :meth:`backward_dw` replays the delayed weight-gradient graph (see
+      ``make_graphed_callables``), a no-op when no submodule needed one;
+    * ``buffer_reuse`` (:class:`gograph._schedule.BufferReuse`, shared by the callables of one
+      call) says how ``_reuse_graph_input_output_buffers`` planned the static buffers.
     """
 
     def __init__(
@@ -174,6 +224,11 @@ class GraphedCallable:
         training: bool | None = None,
         original_forward: Callable[..., Any] | None = None,
         original_forward_is_method: bool = False,
+        args_spec: pytree.TreeSpec | None = None,
+        kwargs_keys: tuple[str, ...] = (),
+        kwargs_spec: pytree.TreeSpec | None = None,
+        wgrad: _schedule.WgradBody | None = None,
+        buffer_reuse: _schedule.BufferReuse | None = None,
     ) -> None:
         self.index = index
         self.label = label
@@ -202,10 +257,36 @@ class GraphedCallable:
         self._training = training
         self._original_forward = original_forward
         self._original_forward_is_method = original_forward_is_method
+        # Replay-time argument checks, precomputed so the hot path pays one tuple unpack and a
+        # few attribute compares per arg: (static tensor, shape, dtype, device index) per user arg.
+        self._input_sig: tuple[tuple[Tensor, torch.Size, torch.dtype, int], ...] = tuple(
+            (s, s.shape, s.dtype, s.get_device()) for s in static_input_surface[:len_user_args])
+        # The args' pytree structure. When the sample args are a flat tuple of tensors the call's
+        # positional args are the leaves and no structure needs comparing (_flat_args).
+        self._args_spec = args_spec
+        self._flat_args = args_spec is not None and args_spec == pytree.tree_flatten((0,) * args_spec.num_leaves)[1]
+        # Args whose sample did not require grad: with a backward graph, a call passing one that
+        # does would silently lose its grad, so that is refused.
+        self._nograd_args: tuple[int, ...] = tuple(
+            i for i, s in enumerate(static_input_surface[:len_user_args]) if not s.requires_grad
+        ) if has_backward else ()
+        # Captured kwargs (TransformerEngine's sample_kwargs): their leaves follow the positional
+        # leaves in the static input surface.
+        self._kwargs_keys = tuple(kwargs_keys)
+        self._kwargs_spec = kwargs_spec
+        self._n_pos = len_user_args - (kwargs_spec.num_leaves if kwargs_spec is not None else 0)
+        self._wgrad = wgrad
+        self.buffer_reuse = buffer_reuse
         self._released = False
         # The finalizer must not reference self: it gets the engine, the pass id and the pool.
         self._finalizer = weakref.finalize(self, engine.finalize_pass, pass_id, pool)
         self._finalizer.atexit = False
+
+    #: What the ``make_graphed_callables`` call that built this callable observed (shared by the
+    #: callables of that call): captures with their order, time and memory delta, warmup peak.
+    build_stats: _observe.BuildStats | None = None
+    #: Whether the core checks this callable's replays against the capture order (debug).
+    _check_replay_order: bool = False
 
     # -- introspection ------------------------------------------------------------------------
     @property
@@ -249,48 +330,171 @@ class GraphedCallable:
                 return fn(*user_args, **user_kwargs)
         if self._released:
             self._raise_reset()
-        if user_kwargs:
-            raise TypeError(
-                f"gograph: graphed callable {self.index} ({self.label}) takes its arguments positionally, "
-                f"in the structure of its sample_args; got keyword arguments {sorted(user_kwargs)}")
-        flat = pytree.arg_tree_leaves(*user_args)
-        if len(flat) != self.len_user_args:
+        opts: tuple[Any, Any] | None = None
+        kw_leaves: Sequence[Any] = ()
+        if user_kwargs or self._kwargs_keys:
+            opts, kw_leaves = self._take_kwargs(user_kwargs)
+        if self._flat_args:
+            flat: Sequence[Any] = user_args
+        elif self._args_spec is not None:
+            flat, spec = pytree.tree_flatten(user_args)
+            if spec != self._args_spec:
+                raise TypeError(
+                    f"gograph: graphed callable {self.index} ({self.label}) must be called with args in "
+                    f"the pytree structure of its sample_args, {_structure(self._args_spec)}; got "
+                    f"{_structure(spec)}. Pass the same nesting (tuples, lists, dict keys in the same order)")
+        else:
+            flat = pytree.arg_tree_leaves(*user_args)
+        if len(flat) != self._n_pos:
             raise TypeError(
                 f"gograph: graphed callable {self.index} ({self.label}) was captured with "
-                f"{self.len_user_args} tensor argument(s) and called with {len(flat)}")
-        out = _GraphedFunction.apply(self, *flat, *self.module_params)
+                f"{self._n_pos} tensor argument(s) and called with {len(flat)}; pass args in the "
+                "structure of its sample_args")
+        if kw_leaves:
+            flat = (*flat, *kw_leaves)
+        if _CAPTURE_STATE.depth:
+            self._raise_nested_capture()
+        if self._nograd_args and torch.is_grad_enabled():
+            for i in self._nograd_args:
+                if getattr(flat[i], "requires_grad", False):
+                    raise ValueError(
+                        f"gograph: argument leaf {i} of graphed callable {self.index} ({self.label}) requires "
+                        "grad, but its sample arg did not, so the backward graph computes no grad for it "
+                        "and the grad would be silently dropped. Graph it with a sample arg that has "
+                        f"requires_grad=True at this position, or pass a detached tensor")
+        if self._check_replay_order:  # debug guard: refuse before any static buffer is written
+            _observe.check_replay_order(self.pass_id, FORWARD)
+        out = _GraphedFunction.apply(self, opts, *flat, *self.module_params)
+        if self._check_replay_order:  # the replay-order guard (debug): a forward without backward
+            _observe.discard_if_no_backward(self.pass_id, out)
         return pytree.tree_unflatten(out, self.output_spec)
+
+    def _take_kwargs(self, user_kwargs: dict[str, Any]) -> tuple[tuple[Any, Any] | None, Sequence[Any]]:
+        """Splits call kwargs into the replay options (``cuda_graph_stream``,
+        ``cuda_graph_event``) and the flat leaves of the captured kwargs, in key order."""
+        kwargs = dict(user_kwargs)
+        opts = None
+        if "cuda_graph_stream" in kwargs or "cuda_graph_event" in kwargs:
+            opts = (kwargs.pop("cuda_graph_stream", None), kwargs.pop("cuda_graph_event", None))
+        values = []
+        for key in self._kwargs_keys:
+            if key not in kwargs:
+                raise TypeError(
+                    f"gograph: graphed callable {self.index} ({self.label}) was initialized with kwarg "
+                    f"{key}, but it was not provided in graph replay (TransformerEngine: \"Graphed callable "
+                    f"was initialized with kwarg {key} ,but it was not provided in graph replay\")")
+            values.append(kwargs.pop(key))
+        if kwargs:
+            if self._kwargs_keys:
+                raise TypeError(
+                    f"gograph: graphed callable {self.index} ({self.label}) got keyword arguments "
+                    f"{sorted(kwargs)} that were not in its sample_kwargs {list(self._kwargs_keys)}; a graph "
+                    "replays only the inputs it was captured with")
+            raise TypeError(
+                f"gograph: graphed callable {self.index} ({self.label}) takes its arguments positionally, "
+                f"in the structure of its sample_args; got keyword arguments {sorted(kwargs)}")
+        if not self._kwargs_keys:
+            return opts, ()
+        leaves, spec = pytree.tree_flatten(values)
+        if spec != self._kwargs_spec:
+            raise TypeError(
+                f"gograph: the keyword arguments {list(self._kwargs_keys)} of graphed callable {self.index} "
+                f"({self.label}) must have the pytree structure of its sample_kwargs, "
+                f"{_structure(self._kwargs_spec)}; got {_structure(spec)}")  # type: ignore[arg-type]
+        return opts, leaves
+
+    def _launch(self, kind: int, opts: tuple[Any, Any] | None) -> None:
+        """Replays graph ``kind``; with ``cuda_graph_stream``/``cuda_graph_event`` on the CUDA
+        engine, on that stream (TransformerEngine's replay on a side stream)."""
+        stream = None if opts is None else opts[0]
+        if stream is None or not isinstance(self.engine, CudaEngine):
+            self.engine.replay(self.pass_id, kind)
+            return
+        current = torch.cuda.current_stream(self.engine.device)
+        if stream == current:
+            self.engine.replay(self.pass_id, kind)
+            return
+        event = opts[1]  # type: ignore[index]
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self.engine.replay(self.pass_id, kind)
+        if event is not None:
+            current.wait_event(event)
+        else:
+            current.wait_stream(stream)
+
+    def _raise_nested_capture(self) -> None:
+        raise RuntimeError(
+            f"gograph: graphed callable {self.index} ({self.label}) was called while a graph capture is "
+            "underway on this thread (inside another make_graphed_callables capture): a graph cannot be "
+            "replayed inside a second capture. Graph the callables together in one "
+            "make_graphed_callables call (a tuple, in the order they run), or call the original "
+            "(ungraphed) module inside the outer callable")
+
+    def _raise_input_mismatch(self, i: int, new: Any) -> None:
+        static, shape, dtype, device = self._input_sig[i]
+        where = f"argument leaf {i} of graphed callable {self.index} ({self.label})"
+        if not isinstance(new, Tensor):
+            raise TypeError(f"gograph: {where} is of type {type(new).__name__}, not a Tensor; graphed "
+                            "callables take tensors in the structure of their sample_args")
+        captured = f"shape {tuple(shape)}, dtype {dtype}, device {static.device}"
+        got = f"shape {tuple(new.shape)}, dtype {new.dtype}, device {new.device}"
+        raise StaticInputMismatchError(
+            f"gograph: {where} has {got}, but the graph was captured with {captured}. A graph replays "
+            "fixed shapes, dtypes and devices (it would not broadcast or cast): pass a matching tensor "
+            "(e.g. .to(...)), or graph a separate callable for this shape")
 
     def _raise_reset(self) -> None:
         # The core's lifecycle check produces the authoritative message ("... was reset ...").
         self.engine.replay(self.pass_id, FORWARD)
         raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
 
-    def _replay_forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        surface = self.static_input_surface
-        for i in range(self.len_user_args):
-            static, new = surface[i], inputs[i]
-            if not isinstance(new, Tensor):
-                raise TypeError(f"gograph: argument leaf {i} of graphed callable {self.index} "
-                                f"({self.label}) is a {type(new).__name__}, not a Tensor")
-            if static.data_ptr() != new.data_ptr():
-                static.copy_(new)
-        self.engine.replay(self.pass_id, FORWARD)
-        return tuple(o.detach() for o in self.static_outputs)
+    def _replay_forward(self, inputs: tuple[Tensor, ...], opts: tuple[Any, Any] | None = None) -> tuple[Tensor, ...]:
+        # Snapshot the buffers before checking the lifecycle: a reset on another thread clears
+        # them after marking the callable released, so either the check sees the reset or the
+        # snapshot holds buffers that are still alive (and the core then refuses the replay).
+        sig, outputs = self._input_sig, self.static_outputs
+        if self._released:
+            self._raise_reset()
+        i = 0
+        for static, shape, dtype, device in sig:
+            new = inputs[i]
+            if new is not static:
+                try:
+                    ok = new.shape == shape and new.dtype is dtype and new.get_device() == device
+                except AttributeError:  # not a tensor
+                    ok = False
+                if not ok:
+                    self._raise_input_mismatch(i, new)
+                if static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+            i += 1
+        if opts is None:
+            self.engine.replay(self.pass_id, FORWARD)
+        else:
+            self._launch(FORWARD, opts)
+        return tuple(o.detach() for o in outputs)
 
-    def _replay_backward(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    def _replay_backward(self, grads: tuple[Tensor | None, ...],
+                         opts: tuple[Any, Any] | None = None) -> tuple[Tensor | None, ...]:
+        # Snapshot before the lifecycle check (see _replay_forward): a concurrent reset either
+        # is seen here or leaves these buffers alive while the core refuses the replay.
+        static_grad_outputs, static_grad_inputs = self.static_grad_outputs, self.static_grad_inputs
         if self._released:
             self.engine.replay(self.pass_id, BACKWARD)  # raises: "... was reset ..."
             raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
-        if len(grads) != len(self.static_grad_outputs):
+        if len(grads) != len(static_grad_outputs):
             raise AssertionError(
-                f"len(grads)={len(grads)} != len(static_grad_outputs)={len(self.static_grad_outputs)}")
-        for static, grad in zip(self.static_grad_outputs, grads):
+                f"len(grads)={len(grads)} != len(static_grad_outputs)={len(static_grad_outputs)}")
+        for static, grad in zip(static_grad_outputs, grads):
             # don't copy if the incoming grad is already in the right place
             if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
-        self.engine.replay(self.pass_id, BACKWARD)
-        out = [None if b is None else b.detach() for b in self.static_grad_inputs]
+        if opts is None:
+            self.engine.replay(self.pass_id, BACKWARD)
+        else:
+            self._launch(BACKWARD, opts)
+        out = [None if b is None else b.detach() for b in static_grad_inputs]
         # A parameter's grad must not *become* a static buffer: when .grad is None, AccumulateGrad
         # steals the incoming tensor as .grad, and the next replay would overwrite it (pytorch
         # issue 181723). When .grad exists, AccumulateGrad adds into it (in place, or out of place
@@ -301,6 +505,30 @@ class GraphedCallable:
             if b is not None and param.grad is None:
                 out[i] = b.clone()
         return tuple(out)
+
+    def backward_dw(self) -> None:
+        """Replays this pass's delayed weight-gradient graph (TransformerEngine's
+        ``backward_dw``): the ``backward_dw()`` work of the submodules that ran in its forward and
+        reported ``need_backward_dw()``, captured after its backward (or at its ``-(c+0.5)``
+        ``_order`` entry). Call it after the backward of the same forward, before that pass's next
+        backward. A no-op when no submodule needed a delayed weight gradient. Then, as
+        TransformerEngine does, each such submodule's
+        ``_trigger_wgrad_accumulation_and_reduce_hooks()`` runs if it has one.
+
+        After :meth:`reset` it raises RuntimeError saying the callable was reset; it never
+        launches a destroyed graph."""
+        wgrad = self._wgrad
+        if self._released:
+            self.engine.replay(self.pass_id, WGRAD)  # the core raises: "... was reset ..."
+            raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset; "
+                               "backward_dw() has no weight-gradient graph to replay")
+        if wgrad is None:
+            return
+        self.engine.replay(self.pass_id, WGRAD)
+        for m in wgrad.modules():
+            trigger = getattr(m, "_trigger_wgrad_accumulation_and_reduce_hooks", None)
+            if trigger is not None and m.need_backward_dw():
+                trigger()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -323,6 +551,8 @@ class GraphedCallable:
             self.static_grad_inputs = ()
             self.module_params = ()
             self._param_grad_slots = ()
+            self._input_sig = ()
+            self._wgrad = None
         log.debug("gograph: reset pass %d (%s)", self.pass_id, self.label)
 
 
@@ -331,9 +561,11 @@ class _GraphedFunction(torch.autograd.Function):
     state passed in as the first, non-tensor, argument)."""
 
     @staticmethod
-    def forward(ctx: Any, graphed: GraphedCallable, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, graphed: GraphedCallable, opts: tuple[Any, Any] | None,  # type: ignore[override]
+                *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.graphed = graphed
-        outputs = graphed._replay_forward(inputs)
+        ctx.opts = opts  # cuda_graph_stream / cuda_graph_event, also used by the backward
+        outputs = graphed._replay_forward(inputs, opts)
         if graphed._nondiff_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
         return outputs
@@ -342,7 +574,20 @@ class _GraphedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         graphed: GraphedCallable = ctx.graphed
-        return (None, *graphed._replay_backward(grads))
+        if graphed._check_replay_order:  # debug guard: refuse before the grad buffers are written
+            _observe.check_replay_order(graphed.pass_id, BACKWARD)
+        if getattr(ctx, "gograph_backward_done", False) and not getattr(graphed, "_retain_graph_in_backward", False):
+            # The backward graph consumes its forward's activations (captured with
+            # retain_graph=False, their pool memory is reused inside the backward graph), so a
+            # second run would compute from overwritten memory: refuse, as eager autograd does.
+            raise RuntimeError(
+                f"gograph: trying to backward through graphed callable {graphed.index} ({graphed.label}) "
+                "a second time for the same forward call. A graphed backward can run once per forward "
+                "(retain_graph=True cannot keep graph activations unless the callable was graphed with "
+                "retain_graph_in_backward=True): call the graphed callable again and backward through "
+                "its new outputs")
+        ctx.gograph_backward_done = True
+        return (None, None, *graphed._replay_backward(grads, ctx.opts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +595,9 @@ class _GraphedFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class _Plan:
-    """Build-time data of one callable (discarded once its GraphedCallable exists)."""
+    """Build-time data of one pass -- one callable, or with ``_order`` one forward of one
+    callable (discarded once its GraphedCallable exists). ``index`` is the pass index
+    (TransformerEngine's per-callable index), ``callable_index`` the callable it runs."""
 
     index: int
     func: _ModuleOrCallable
@@ -372,10 +619,39 @@ class _Plan:
     static_grad_inputs: tuple[Tensor | None, ...] = ()
     has_backward: bool = False
     output_spec: pytree.TreeSpec | None = None
+    # TransformerEngine's extensions (see _schedule).
+    callable_index: int = -1
+    sample_kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs_keys: tuple[str, ...] = ()
+    flat_pos: tuple[Tensor, ...] | None = None  # leaves of sample_args (flat_args adds the kwargs')
+    te_grads: bool = False  # TE's grad rules: unused params dropped from the surface
+    wgrad_modules: dict[int, Any] = field(default_factory=dict)  # delayed-wgrad submodules seen
+    need_dw: bool = False
+    dw_rng: bool | None = None
+    wgrad_body: _schedule.WgradBody | None = None
+    output_meta: tuple[tuple[tuple[Any, ...], bool], ...] = ()  # per output (signature, requires_grad)
+    grad_output_slots: tuple[Tensor | None, ...] = ()  # shared grad-output buffers (buffer reuse)
+
+    def __post_init__(self) -> None:
+        if self.callable_index < 0:
+            self.callable_index = self.index
+        if self.flat_pos is None:
+            self.flat_pos = self.flat_args
 
     @property
     def surface(self) -> tuple[Tensor, ...]:
         return self.flat_args + self.module_params
+
+    @property
+    def capture_body(self) -> Any:
+        """The forward body engines record, called with :attr:`body_args`."""
+        if self.kwargs_keys:
+            return _schedule.CallWithKwargs(self.body, len(self.sample_args), self.kwargs_keys)
+        return self.body
+
+    @property
+    def body_args(self) -> tuple[Any, ...]:
+        return (*self.sample_args, *(self.sample_kwargs[k] for k in self.kwargs_keys))
 
     @property
     def grad_surface(self) -> tuple[Tensor, ...]:
@@ -437,51 +713,304 @@ def _with_context(e: Exception, index: int, label: str, phase: str, engine: Engi
     return new
 
 
-def _warmup(plan: _Plan, engine: Engine, iters: int, allow_unused_input: bool) -> None:
-    if iters <= 0:
-        plan.fwd_rng = plan.bwd_rng = None  # unknown: captures carry RNG state to be safe
+class _Leaf:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "T"
+
+
+def _structure(spec: pytree.TreeSpec) -> str:
+    """A one-line picture of an args structure, leaves drawn as T: ``({'a': T, 'b': T},)``."""
+    try:
+        return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
+    except Exception:  # pragma: no cover - exotic node types
+        return str(spec).replace("\n", "")
+
+
+def _check_outputs(plan: _Plan, outputs: Sequence[Tensor], engine: Engine) -> None:
+    """On the CUDA engine, refuses forward outputs off the engine's device (a graph cannot
+    produce them). Runs at warmup and capture only, not on the replay path.
+
+    Outputs that alias inputs (``lambda x: x``, views of inputs or parameters) are allowed, as
+    in torch: the output then aliases the static input, which the next call's args overwrite --
+    the same rule as for every output (see :class:`GraphedCallable`)."""
+    if not isinstance(engine, CudaEngine):
         return
-    fwd_rng = bwd_rng = False
-    grad_inputs = plan.grad_surface
-    with torch.set_grad_enabled(plan.grad_enabled):
-        for _ in range(iters):
-            before = engine.rng_marker()
-            outputs = plan.body(*plan.sample_args)
-            after = engine.rng_marker()
-            fwd_rng = fwd_rng or before != after
-            outputs_grad = tuple(o for o in outputs if o.requires_grad)
-            if outputs_grad:
-                grads = torch.autograd.grad(
-                    outputs=outputs_grad,
-                    inputs=grad_inputs,
-                    grad_outputs=tuple(torch.zeros_like(o) for o in outputs_grad),
-                    only_inputs=True,
-                    allow_unused=allow_unused_input,
-                )
-                bwd_rng = bwd_rng or after != engine.rng_marker()
-                del grads
-            del outputs, outputs_grad
-    plan.fwd_rng, plan.bwd_rng = fwd_rng, bwd_rng
+    device = engine.device
+    for k, o in enumerate(outputs):
+        if o.device != device:
+            raise ValueError(
+                f"gograph: output leaf {k} of callable {plan.index} ({plan.label}) is on {o.device}, but "
+                f"graphs are captured on {device}: a CUDA graph can only produce tensors on its device. "
+                "Keep outputs on the device and move them after the call")
+
+
+def _refuse_nested_build() -> None:
+    """make_graphed_callables cannot run inside a capture: its warmup synchronizes and its own
+    captures cannot nest in another."""
+    capturing = _CAPTURE_STATE.depth > 0
+    if not capturing and torch.cuda.is_initialized():
+        try:
+            capturing = bool(torch.cuda.is_current_stream_capturing())
+        except Exception:  # no usable CUDA: nothing can be capturing
+            capturing = False
+    if capturing:
+        raise RuntimeError(
+            "gograph: make_graphed_callables was called while a CUDA graph capture is underway on the "
+            "current stream (inside torch.cuda.graph, or inside a callable being captured by another "
+            "make_graphed_callables). Graphs cannot be built inside a capture: call "
+            "make_graphed_callables before (outside) the capture, or graph all callables in one call")
+
+
+def _validate_callables(callables: Any, num_warmup_iters: Any,
+                        ordered: bool = False) -> tuple[_ModuleOrCallable, ...]:
+    """Argument checks that need no engine. Returns the callables tuple. With ``_order``
+    (``ordered``) a module may appear more than once: its forward is not replaced."""
+    if len(callables) == 0:
+        raise ValueError("gograph: make_graphed_callables got an empty tuple of callables; pass a module or "
+                         "function, or a non-empty tuple of them (with one tuple of sample args each)")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
+        raise TypeError(f"gograph: num_warmup_iters must be an int >= 0, got {type(num_warmup_iters).__name__}")
+    if num_warmup_iters < 0:
+        raise ValueError(f"gograph: num_warmup_iters must be >= 0, got {num_warmup_iters}")
+    seen: dict[int, int] = {}
+    modes: dict[bool, list[int]] = {True: [], False: []}
+    for i, c in enumerate(callables):
+        if isinstance(c, (list, tuple)):
+            raise TypeError(
+                f"gograph: callable {i} is a {type(c).__name__}; callables must be a module or function, or a "
+                "flat tuple of them (convert a list with tuple(...), and pass sample_args as a tuple of tuples)")
+        if isinstance(c, GraphedCallable):
+            raise TypeError(
+                f"gograph: callable {i} ({c.label}) is already a graphed callable; pass the original module "
+                "or function (a graph cannot be captured inside another graph)")
+        if not callable(c):
+            raise TypeError(f"gograph: callable {i} (of type {type(c).__name__}) is not callable; pass "
+                            "torch.nn.Modules or functions")
+        if isinstance(c, torch.nn.Module):
+            if id(c) in seen and not ordered:
+                raise ValueError(
+                    f"gograph: callable {i} is the same module as callable {seen[id(c)]} ({_label(c)}). Each "
+                    "module is graphed once (its forward is replaced); to run a layer several times per "
+                    "step, graph separate copies of it")
+            seen[id(c)] = i
+            fwd = c.__dict__.get("forward")
+            if isinstance(fwd, GraphedCallable) and not fwd.is_reset:
+                raise ValueError(
+                    f"gograph: module {i} ({_label(c)}) is already graphed (its forward is a live "
+                    "GraphedCallable). Call its reset() first to release those graphs, then graph it again")
+            modes[bool(c.training)].append(i)
+    if modes[True] and modes[False]:
+        raise ValueError(
+            "gograph: make_graphed_callables needs the modules all in training mode or all in eval mode "
+            f"(modules {modes[True]} are training, {modes[False]} are in eval); call .train() or .eval() "
+            "on all of them, or graph the two groups in separate calls")
+    return tuple(callables)
+
+
+def _check_devices(plans: Sequence[_Plan], engine: Engine) -> None:
+    """On the CUDA engine every sample arg and parameter must be on the engine's device."""
+    if not isinstance(engine, CudaEngine):
+        return
+    device = engine.device
+    for plan in plans:
+        for j, t in enumerate(plan.flat_args):
+            if t.device != device:
+                raise ValueError(
+                    f"gograph: sample arg leaf {j} of callable {plan.index} ({plan.label}) is on {t.device}, "
+                    f"but the CUDA engine captures on {device}; move it there (e.g. .to('{device}')): "
+                    "graphs read their inputs from that device's memory")
+        if plan.module_params:
+            names = {id(p): n for n, p in plan.func.named_parameters()} if isinstance(
+                plan.func, torch.nn.Module) else {}
+            for k, p in enumerate(plan.module_params):
+                if p.device != device:
+                    raise ValueError(
+                        f"gograph: parameter {names.get(id(p), k)!r} of callable {plan.index} ({plan.label}) "
+                        f"is on {p.device}, but the CUDA engine captures on {device}; move the module there "
+                        f"first (module.to('{device}'))")
+
+
+def _check_pool(pool: Any, engine: Engine) -> None:
+    if pool is None or not isinstance(engine, CudaEngine):
+        return
+    if not (isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)):
+        raise TypeError(
+            f"gograph: pool must be a memory-pool token from gograph.graph_pool_handle() or "
+            f"torch.cuda.graph_pool_handle() (a pair of ints) for the CUDA engine, got {pool!r}")
+
+
+def _warmup_forward(plan: _Plan, engine: Engine, hooks: _schedule.CaptureTimeHooks, func: Any) -> tuple[Tensor, ...]:
+    """One warmup forward of ``plan`` (its capture-time hooks around it, outside any capture),
+    discovering the submodules with delayed weight gradients that run in it."""
+    hooks.forward_pre(plan.callable_index, func, plan.sample_args, plan.sample_kwargs)
+    with torch.set_grad_enabled(plan.grad_enabled), _schedule.discover_wgrad_modules(func, plan.wgrad_modules):
+        before = engine.rng_marker()
+        outputs = plan.body(*plan.sample_args, **plan.sample_kwargs)
+        after = engine.rng_marker()
+    plan.fwd_rng = bool(plan.fwd_rng) or before != after
+    _check_outputs(plan, outputs, engine)
+    plan.output_meta = tuple((_schedule.tensor_signature(o), bool(o.requires_grad)) for o in outputs)
+    if plan.wgrad_modules:
+        plan.te_grads = True  # its weights get their grads from backward_dw, not the backward
+    if hooks.hooks is not None:
+        hooks.forward(plan.callable_index, func, plan.sample_args, plan.sample_kwargs,
+                      pytree.tree_unflatten(list(outputs), plan.body.out_spec))  # type: ignore[arg-type]
+    return outputs
+
+
+def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
+                     hooks: _schedule.CaptureTimeHooks, func: Any, allow_unused_input: bool, it: int) -> None:
+    """One warmup backward of ``plan``. Under TransformerEngine's rules (``plan.te_grads``), a
+    sample arg without grad is an error unless ``allow_unused_input``, and parameters that get no
+    grad in the first iteration leave the static input surface."""
+    mask = tuple(bool(o.requires_grad) for o in outputs)
+    if not any(mask):
+        return
+    grad_outputs = tuple(torch.zeros_like(o) if m else None for o, m in zip(outputs, mask))
+    hooks.backward_pre(plan.callable_index, func, grad_outputs)
+    inputs = plan.grad_surface
+    before = engine.rng_marker()
+    grads = torch.autograd.grad(
+        outputs=tuple(o for o, m in zip(outputs, mask) if m),
+        inputs=inputs,
+        grad_outputs=tuple(g for g in grad_outputs if g is not None),
+        only_inputs=True,
+        allow_unused=True if plan.te_grads else allow_unused_input,
+    )
+    plan.bwd_rng = bool(plan.bwd_rng) or before != engine.rng_marker()
+    hooks.backward(plan.callable_index, func, grads, grad_outputs)
+    if not plan.te_grads:
+        return
+    n_user = sum(1 for t in plan.flat_args if t.requires_grad)
+    kept = []
+    for k, g in enumerate(grads):
+        if k < n_user:
+            if g is None and not allow_unused_input:
+                raise RuntimeError("The input tensor requires grad, but the grad is None after backward pass.")
+        elif g is not None:
+            kept.append(inputs[k])
+    if len(kept) != len(plan.module_params):
+        if it != 0:
+            raise RuntimeError(
+                "no-grad params should only be used as inputs in the first warmup"
+                f" iteration, but found in iteration {it}")
+        plan.module_params = tuple(kept)
+
+
+def _warmup_dw(plan: _Plan, engine: Engine, kind: str, entry: str | None, it: int) -> None:
+    """Runs the delayed weight-gradient work of ``plan`` in warmup (TransformerEngine runs it
+    right after each warmup backward; with an ``_order`` entry for it, at that entry) and
+    checks it against the order: ``kind`` is the step ("B" for a backward without a paired
+    ``-(c+0.5)`` entry, "W" for such an entry), ``entry`` names it (None without ``_order``)."""
+    mods = list(plan.wgrad_modules.values())
+    need = any(m.need_backward_dw() for m in mods)
+    if entry is not None and kind == _schedule.WGRAD_STEP and not need:
+        raise _schedule.ScheduleError(
+            f"gograph: {entry}: a weight-gradient entry for pass {plan.index} ({plan.label}), but no "
+            "submodule that ran in its forward needs a delayed weight gradient (none defines "
+            "need_backward_dw() and backward_dw() with need_backward_dw() True). TransformerEngine: "
+            "\"No module needs wgrad computation but get float in order\"")
+    if entry is not None and kind == _schedule.BACKWARD_STEP and need:
+        names = sorted({type(m).__name__ for m in mods if m.need_backward_dw()})
+        raise _schedule.ScheduleError(
+            f"gograph: {entry}: pass {plan.index} ({plan.label}) needs a delayed weight gradient "
+            f"(need_backward_dw() of {', '.join(names)} is True), but no -(c+0.5) entry of its chunk pairs "
+            "with this backward; every backward of a chunk that delays its weight gradient needs one "
+            "(TransformerEngine: \"Number of wgrad graph doesn't match number of dgrad graphs\")")
+    plan.need_dw = need
+    if not need:
+        return
+    before = engine.rng_marker()
+    for m in mods:
+        if m.need_backward_dw():
+            m.backward_dw()
+    plan.dw_rng = bool(plan.dw_rng) or before != engine.rng_marker()
+
+
+_NO_HOOKS = _schedule.CaptureTimeHooks(None)
+
+
+def _warmup(plan: _Plan, engine: Engine, iters: int, allow_unused_input: bool, func: Any = None) -> None:
+    """torch's warmup: ``iters`` forward+backward iterations of one callable (and its delayed
+    weight-gradient work, when it has some)."""
+    if iters <= 0:
+        plan.fwd_rng = plan.bwd_rng = plan.dw_rng = None  # unknown: captures carry RNG state to be safe
+        return
+    plan.fwd_rng = plan.bwd_rng = plan.dw_rng = False
+    for it in range(iters):
+        outputs = _warmup_forward(plan, engine, _NO_HOOKS, func)
+        _warmup_backward(plan, outputs, engine, _NO_HOOKS, func, allow_unused_input, it)
+        del outputs
+        if plan.wgrad_modules:
+            _warmup_dw(plan, engine, _schedule.BACKWARD_STEP, None, it)
+
+
+def _warmup_schedule(plans: Sequence[_Plan], sched: _schedule.Schedule, engine: Engine, iters: int,
+                     allow_unused_input: bool, hooks: _schedule.CaptureTimeHooks,
+                     callables: Sequence[Any], track: Callable[[_Plan], None]) -> None:
+    """Warmup iterations that run the schedule's steps in order (``_order``, or fwd 0..n-1 then
+    bwd n-1..0 when capture-time hooks are given): each forward's outputs live until its
+    backward step; weight-gradient work runs at its ``-(c+0.5)`` entry, or right after the
+    backward when the order has none for it."""
+    for plan in plans:
+        plan.fwd_rng = plan.bwd_rng = plan.dw_rng = False if iters > 0 else None
+    for it in range(iters):
+        live: dict[int, tuple[Tensor, ...]] = {}
+        for step in sched.steps:
+            plan = plans[step.pass_index]
+            track(plan)
+            func = callables[plan.callable_index]
+            entry = sched.entry_name(step.entry) if sched.ordered else None
+            if step.kind == _schedule.FORWARD_STEP:
+                live[plan.index] = _warmup_forward(plan, engine, hooks, func)
+            elif step.kind == _schedule.BACKWARD_STEP:
+                outputs = live.pop(plan.index, None)
+                if outputs is None:
+                    continue
+                _warmup_backward(plan, outputs, engine, hooks, func, allow_unused_input, it)
+                del outputs
+                if plan.index not in sched.wgrad_step_of and plan.wgrad_modules:
+                    _warmup_dw(plan, engine, step.kind, entry, it)
+            else:
+                _warmup_dw(plan, engine, step.kind, entry, it)
+        live.clear()
 
 
 def _capture_forward(plan: _Plan, engine: Engine, pool: Hashable) -> tuple[Tensor, ...]:
     with torch.set_grad_enabled(plan.grad_enabled):
-        outputs = engine.capture(plan.pass_id, FORWARD, plan.body, *plan.sample_args,
+        outputs = engine.capture(plan.pass_id, FORWARD, plan.capture_body, *plan.body_args,
                                  pool=pool, uses_rng=plan.fwd_rng)
+    _check_outputs(plan, outputs, engine)  # type: ignore[arg-type]
     plan.output_spec = plan.body.out_spec
     return tuple(outputs)  # type: ignore[arg-type]  # a forward body returns only tensors
 
 
+def _grad_output_buffer(plan: _Plan, k: int, o: Tensor) -> Tensor:
+    """The static buffer output ``k``'s incoming grad is copied into: its shared slot (buffer
+    reuse) when the planned signature still matches, else a new zeroed tensor."""
+    slots = plan.grad_output_slots
+    slot = slots[k] if k < len(slots) else None
+    if slot is not None and _schedule.tensor_signature(slot) == _schedule.tensor_signature(o):
+        return slot
+    return torch.zeros_like(o)
+
+
 def _capture_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine, pool: Hashable,
-                      allow_unused_input: bool) -> None:
+                      allow_unused_input: bool, retain_graph: bool = False,
+                      hooks: _schedule.CaptureTimeHooks = _NO_HOOKS, func: Any = None) -> None:
     mask = tuple(bool(o.requires_grad) for o in outputs)
-    static_grad_outputs = tuple(torch.zeros_like(o) if rg else None for o, rg in zip(outputs, mask))
+    static_grad_outputs = tuple(_grad_output_buffer(plan, k, o) if rg else None
+                                for k, (o, rg) in enumerate(zip(outputs, mask)))
     grad_inputs: tuple[Tensor | None, ...] | None = None
     if any(mask):
+        hooks.backward_pre(plan.callable_index, func, static_grad_outputs)
         body = _BackwardBody(plan.grad_surface, tuple(g for g in static_grad_outputs if g is not None),
-                             mask, allow_unused_input)
+                             mask, allow_unused_input or plan.te_grads, retain_graph)
         grad_inputs = engine.capture(plan.pass_id, BACKWARD, body, outputs, pool=pool, uses_rng=plan.bwd_rng)
         plan.has_backward = True
+        hooks.backward(plan.callable_index, func, grad_inputs, static_grad_outputs)
     # Pad the grads of the inputs that require grad with None for the others (the layout
     # autograd.Function.backward must return).
     padded: list[Tensor | None] = []
@@ -496,6 +1025,13 @@ def _capture_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine, 
     plan.static_grad_inputs = tuple(padded)
 
 
+def _capture_wgrad(plan: _Plan, engine: Engine, pool: Hashable) -> None:
+    """Captures ``plan``'s delayed weight-gradient graph (core kind 2, "wgrad")."""
+    body = _schedule.WgradBody(list(plan.wgrad_modules.values()), plan.label)
+    engine.capture(plan.pass_id, WGRAD, body, pool=pool, uses_rng=plan.dw_rng)
+    plan.wgrad_body = body
+
+
 @overload
 def make_graphed_callables(
     callables: _T,
@@ -506,6 +1042,17 @@ def make_graphed_callables(
     *,
     engine: Engine | str | None = None,
     clone_param_grads_on_return: bool = True,
+    debug_replay_order: bool | None = None,
+    progress: bool = False,
+    sample_kwargs: Any = None,
+    _order: Sequence[int | float] | None = None,
+    _num_layers_per_chunk: int | Sequence[int] | None = None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    pre_warmup_hook: Callable[[], Any] | None = None,
+    post_warmup_hook: Callable[[], Any] | None = None,
+    capture_time_hooks: Sequence[dict[str, dict[Any, Any]] | None] | None = None,
+    _clone_param_grads_on_return: bool | None = None,
 ) -> _T: ...
 
 
@@ -519,6 +1066,17 @@ def make_graphed_callables(
     *,
     engine: Engine | str | None = None,
     clone_param_grads_on_return: bool = True,
+    debug_replay_order: bool | None = None,
+    progress: bool = False,
+    sample_kwargs: Any = None,
+    _order: Sequence[int | float] | None = None,
+    _num_layers_per_chunk: int | Sequence[int] | None = None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    pre_warmup_hook: Callable[[], Any] | None = None,
+    post_warmup_hook: Callable[[], Any] | None = None,
+    capture_time_hooks: Sequence[dict[str, dict[Any, Any]] | None] | None = None,
+    _clone_param_grads_on_return: bool | None = None,
 ) -> tuple[_ModuleOrCallable, ...]: ...
 
 
@@ -531,6 +1089,17 @@ def make_graphed_callables(
     *,
     engine: Engine | str | None = None,
     clone_param_grads_on_return: bool = True,
+    debug_replay_order: bool | None = None,
+    progress: bool = False,
+    sample_kwargs: Any = None,
+    _order: Sequence[int | float] | None = None,
+    _num_layers_per_chunk: int | Sequence[int] | None = None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    pre_warmup_hook: Callable[[], Any] | None = None,
+    post_warmup_hook: Callable[[], Any] | None = None,
+    capture_time_hooks: Sequence[dict[str, dict[Any, Any]] | None] | None = None,
+    _clone_param_grads_on_return: bool | None = None,
 ) -> _ModuleOrCallable | tuple[_ModuleOrCallable, ...]:
     r"""Accepts callables (functions or :class:`torch.nn.Module`\ s) and returns graphed versions.
 
@@ -562,6 +1131,71 @@ def make_graphed_callables(
             exists gets the buffer, which autograd only adds into. Parameters with
             ``skip_backward_post_hook=True`` are never cloned. With False the static buffer
             itself may become ``.grad`` (torch's behaviour, pytorch issue 181723).
+        debug_replay_order: check every replay, in the Go core, against the capture order of
+            the graphs that share its memory pool, and raise RuntimeError (naming both graphed
+            callables) at the first replay that could overwrite memory another graphed callable
+            still needs -- e.g. a forward replayed while another callable's backward, which
+            reads memory this forward's capture could reuse, is still pending. Replaying in
+            capture order (fwd 1..n, bwd n..1; a pipeline schedule captured with its own order;
+            forward-only chains) never raises. None (default) reads the ``GOGRAPH_DEBUG``
+            environment variable ("1" turns it on). Off, a replay pays one bool check. See
+            docs/API.md for the rule.
+        progress: show a progress bar over the captures (needs tqdm; without it, building
+            proceeds without one). Each capture's time and memory delta are also logged at INFO
+            on the ``gograph`` logger.
+
+    TransformerEngine's arguments (everything but its FP8/quantization ones), with its semantics
+    and indexing, planned by the Go core:
+
+        sample_kwargs: keyword args of each forward pass: a dict for a single callable, else one
+            dict (or None) per callable -- per *forward pass* with ``_order``. Their tensor leaves
+            follow the positional leaves (in the dicts' key order) in the static input surface;
+            each call must pass every captured kwarg by name.
+        _order: the pipeline schedule of interleaved pipeline parallelism (Megatron-LM): 1-based
+            chunk ids, ``c`` runs chunk c's forward for its next microbatch, ``-c`` its backward,
+            ``-(c+0.5)`` the delayed weight-gradient pass paired with chunk c's latest backward.
+            Each entry runs every layer of the chunk (callables are layers, grouped in chunks).
+            ``sample_args`` (and ``sample_kwargs``) then hold one entry per forward pass, pass
+            ``prefix[c]*num_microbatches + m*layers[c] + l`` for layer l of chunk c, microbatch
+            m, where ``prefix[c]`` counts the layers of the chunks before c; the result is a
+            tuple of one :class:`GraphedCallable` per pass in that order (modules keep their
+            forward). Warmup and capture run the schedule's steps exactly in order. In eval mode
+            the order lists forward entries only. A malformed order raises ValueError naming the
+            entry and the rule.
+        _num_layers_per_chunk: layers per chunk: an int for all chunks or a list (default:
+            ``len(sample_args) / (chunks * microbatches)`` each). Required, with one layer per
+            chunk, when ``_order`` has weight-gradient entries.
+        retain_graph_in_backward: capture the backward with ``retain_graph=True``.
+        _reuse_graph_input_output_buffers: share static input and grad-output buffers between
+            passes whose lifetimes over the schedule do not overlap and whose tensors have the
+            same shape, strides, dtype and device (slots assigned by the core; never more than
+            TransformerEngine's FIFO scheme needs), and, on the CUDA engine, hand outputs, input
+            grads and cloned parameter grads back to the graph pool once the schedule is past
+            their last use. Needs ``_order`` and training. The plan is the ``buffer_reuse``
+            attribute (:class:`gograph._schedule.BufferReuse`) of every returned callable.
+            An output or input grad returned by a call is then valid only until the schedule
+            reuses its memory (the next microbatch's step that TransformerEngine assumes).
+        pre_warmup_hook, post_warmup_hook: called once (no arguments) before and after all
+            warmup iterations, on the warmup stream; ``post_warmup_hook`` also runs when
+            warmup fails after ``pre_warmup_hook`` ran.
+        capture_time_hooks: one dict (or None) per callable with the keys
+            ``forward_pre_hooks``, ``forward_pre_hooks_with_kwargs``, ``forward_hooks``,
+            ``forward_hooks_with_kwargs``, ``backward_pre_hooks``, ``backward_hooks``, each
+            mapping hook ids to hooks with the signatures of the ``torch.nn.Module`` hooks
+            (the module first; ``*_with_kwargs`` hold the ids whose hook also takes kwargs).
+            They run around every warmup and capture step -- outside the capture, never
+            replayed -- in schedule order (forwards 0..n-1, then backwards n-1..0 without
+            ``_order``), and must return None.
+        _clone_param_grads_on_return: TransformerEngine's name for
+            ``clone_param_grads_on_return`` (wins when given).
+
+    Delayed weight gradients: any submodule that runs in a callable's forward and defines
+    ``need_backward_dw()`` and ``backward_dw()`` (TransformerEngine's protocol, without its
+    module classes) gets its ``backward_dw()`` work, when ``need_backward_dw()`` is True after a
+    warmup backward, captured into a separate graph of the pass (after its backward, or at the
+    ``-(c+0.5)`` entry of ``_order``); the returned callable's :meth:`GraphedCallable.backward_dw`
+    replays it. Its weights, which get no grad from the backward, leave the static input
+    surface. Every returned callable has ``reset()`` and ``backward_dw()``.
 
     Returns:
         The graphed callable(s), in the structure of ``callables``. A module is returned
@@ -576,14 +1210,25 @@ def make_graphed_callables(
     does not shift the user's random stream.
 
     Raises:
-        RuntimeError: autocast with caching enabled; CUDA tensors without the CUDA core.
+        RuntimeError: autocast with caching enabled; CUDA tensors without the CUDA core; called
+            while a CUDA graph capture is underway (inside ``torch.cuda.graph`` or inside a
+            callable being captured by another ``make_graphed_callables``).
         AssertionError: module hooks present, buffers requiring grad, non-Tensor sample leaves
-            (torch's messages).
+            (torch's messages, plus which leaf of which callable).
+        ValueError: an empty tuple of callables; sample_args not one tuple per callable; modules
+            mixing training and eval mode; the same module twice; a module already graphed and
+            not reset; sample args or parameters off the CUDA engine's device (or on several
+            devices); on the CUDA engine, an output off its device (in warmup).
+        TypeError: a list (not a tuple) of callables, a non-callable, a GraphedCallable passed as
+            a callable, a bad ``num_warmup_iters`` or pool token; a callable that returns no
+            tensor or non-tensor leaves (in warmup, or in capture without warmup).
         Exception: an exception raised by a callable during warmup or capture is raised again
             (same type, chained) naming the callable index and the phase ("warmup",
             "forward capture", "backward capture"); every pass created so far is released and
             the generator state restored.
     """
+    _refuse_nested_build()
+    ordered = _order is not None
     just_one_callable = not isinstance(callables, tuple)
     if just_one_callable:
         callables_t: tuple[_ModuleOrCallable, ...] = (callables,)  # type: ignore[assignment]
@@ -591,13 +1236,35 @@ def make_graphed_callables(
     else:
         callables_t = callables  # type: ignore[assignment]
         args_t = sample_args  # type: ignore[assignment]
-    if not isinstance(args_t, tuple) or len(args_t) != len(callables_t):
+    if ordered and isinstance(args_t, list):
+        args_t = tuple(args_t)  # TransformerEngine takes a list with _reuse_graph_input_output_buffers
+    if not isinstance(args_t, tuple) or (not ordered and len(args_t) != len(callables_t)):
         raise ValueError(
             f"gograph: sample_args must hold one tuple of args per callable ({len(callables_t)} callables, "
             f"got {len(args_t) if isinstance(args_t, tuple) else type(args_t).__name__})")
+    callables_t = _validate_callables(callables_t, num_warmup_iters, ordered=ordered)
+    if _clone_param_grads_on_return is not None:
+        clone_param_grads_on_return = bool(_clone_param_grads_on_return)
+    if not isinstance(retain_graph_in_backward, bool):
+        raise TypeError(f"gograph: retain_graph_in_backward must be a bool, got {type(retain_graph_in_backward).__name__}")
+    if _reuse_graph_input_output_buffers and not ordered:
+        raise ValueError("`_order` must be provided when `_reuse_graph_input_output_buffers` is True.")
+    hooks = _schedule.CaptureTimeHooks(_schedule.canonicalize_capture_time_hooks(len(callables_t), capture_time_hooks))
+    for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"gograph: {name} must be callable (called once, without arguments), got {type(hook).__name__}")
+    kwargs_t = _schedule.canonicalize_sample_kwargs(sample_kwargs, len(args_t), just_one_callable, ordered,
+                                                    len(callables_t))
+    # TransformerEngine: with _order, all modules are in training or all in inference mode.
+    training = torch.is_grad_enabled() and all(
+        c.training for c in callables_t if isinstance(c, torch.nn.Module))
+    if _reuse_graph_input_output_buffers and not training:
+        raise RuntimeError("`_reuse_graph_input_output_buffers` is only available in training mode.")
+    # The schedule (Go): _order validated and expanded, or fwd 0..n-1, bwd n-1..0.
+    sched = _schedule.plan_schedule(_order, _num_layers_per_chunk, len(callables_t), len(args_t),
+                                    training if ordered else True, num_warmup_iters)
 
-    plans: list[_Plan] = []
-    for i, (c, args) in enumerate(zip(callables_t, args_t)):
+    for i, c in enumerate(callables_t):
         if isinstance(c, torch.nn.Module):
             if not (
                 len(c._backward_hooks) == 0
@@ -614,34 +1281,65 @@ def make_graphed_callables(
                     + ":func:`~make_graphed_callables`, only parameters may be trainable. All buffers must have "
                     + "``requires_grad=False``."
                 )
+
+    # One plan per pass: per callable, or with _order per forward pass (TransformerEngine's
+    # indexing: the schedule's pass -> callable map).
+    plans: list[_Plan] = []
+    for i, (args, kwargs) in enumerate(zip(args_t, kwargs_t)):
+        ci = sched.callable_of[i]
+        c = callables_t[ci]
         if not isinstance(args, tuple):
             args = (args,) if isinstance(args, Tensor) else tuple(args)
-        flat = tuple(pytree.arg_tree_leaves(*args))
+        flat_pos = tuple(pytree.arg_tree_leaves(*args))
+        keys = tuple(kwargs)
+        flat_kw = tuple(pytree.tree_leaves([kwargs[k] for k in keys]))
+        flat = flat_pos + flat_kw
         if not all(isinstance(arg, Tensor) for arg in flat):
+            bad = next(j for j, arg in enumerate(flat) if not isinstance(arg, Tensor))
+            what = "sample args" if bad < len(flat_pos) else "sample_kwargs"
             raise AssertionError(
                 "In the beta API, sample_args "
                 + "for each callable must contain only Tensors. Other types are not allowed."
+                + f" (gograph: leaf {bad} of the {what} of {'pass' if ordered else 'callable'} {i} ({_label(c)}) "
+                + f"is a {type(flat[bad]).__name__}; pass tensors only, and bind other values into the callable, "
+                + "e.g. with functools.partial)"
             )
         label = _label(c)
+        if ordered:
+            step = sched.steps[next(k for k, st in enumerate(sched.steps) if st.pass_index == i)]
+            label = f"{label}[chunk {step.chunk} layer {step.layer} microbatch {step.micro}]"
         if isinstance(c, torch.nn.Module):
+            stale_dw = c.__dict__.get("backward_dw")
+            if isinstance(getattr(stale_dw, "__self__", None), GraphedCallable):
+                del c.__dict__["backward_dw"]  # set by an earlier (reset) graphing of this module
             fwd = c.forward
-            is_method = inspect.ismethod(fwd) and fwd.__self__ is c
-            fn = fwd.__func__ if is_method else fwd
+            if isinstance(fwd, GraphedCallable) and fwd._original_forward is not None:
+                # Graphed before and reset since (_validate_callables refuses a live one): graph
+                # the original forward again.
+                fn, is_method = fwd._original_forward, fwd._original_forward_is_method
+            else:
+                is_method = inspect.ismethod(fwd) and fwd.__self__ is c
+                fn = fwd.__func__ if is_method else fwd
             plan = _Plan(
                 index=i, func=c, label=label, sample_args=args, flat_args=flat,
                 module_params=tuple(c.parameters()), training=c.training,
-                grad_enabled=torch.is_grad_enabled() and c.training,
+                grad_enabled=training if ordered else torch.is_grad_enabled() and c.training,
                 body=_ForwardBody(fn, c if is_method else None, label),
                 original_forward=fn, original_forward_is_method=is_method,
+                callable_index=ci, sample_kwargs=kwargs, kwargs_keys=keys, flat_pos=flat_pos, te_grads=ordered,
             )
         else:
             plan = _Plan(
                 index=i, func=c, label=label, sample_args=args, flat_args=flat, module_params=(),
-                training=None, grad_enabled=torch.is_grad_enabled(), body=_ForwardBody(c, None, label),
+                training=None, grad_enabled=training if ordered else torch.is_grad_enabled(),
+                body=_ForwardBody(c, None, label),
+                callable_index=ci, sample_kwargs=kwargs, kwargs_keys=keys, flat_pos=flat_pos, te_grads=ordered,
             )
         plans.append(plan)
 
     eng = _resolve_engine(engine, plans)
+    _check_devices(plans, eng)
+    _check_pool(pool, eng)
     if _autocast_cache_active(eng):
         raise RuntimeError(
             "make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`."
@@ -649,9 +1347,19 @@ def make_graphed_callables(
     mempool = eng.new_pool() if pool is None else pool
 
     rng_state = eng.get_rng_state()
+    # Observation (gograph._observe): capture order/time/memory, warmup peak, progress bar.
+    build = _observe.BuildStats.begin(
+        eng, expected_captures=sum(1 + int(p.grad_enabled) for p in plans) + len(sched.wgrad_step_of),
+        progress=progress,
+        debug_replay_order=_observe.debug_env() if debug_replay_order is None else bool(debug_replay_order))
     created: list[int] = []
     phase = "setup"
     current: _Plan | None = None
+
+    def track(plan: _Plan) -> None:
+        nonlocal current
+        current = plan
+
     try:
         for plan in plans:
             current = plan
@@ -659,39 +1367,100 @@ def make_graphed_callables(
             created.append(plan.pass_id)
 
         # Warmup: keeps lazy initialisation (cuBLAS handles, cudnn benchmarking, ...) out of
-        # the captures, and tells which callables consume generator state.
+        # the captures, tells which callables consume generator state and which have delayed
+        # weight gradients. With _order (or capture-time hooks) it runs the schedule's steps.
         phase = "warmup"
+        build.warmup_started()
         with eng.warmup_context():
-            for plan in plans:
-                current = plan
-                _warmup(plan, eng, num_warmup_iters, allow_unused_input)
+            post_pending = False
+            try:
+                if pre_warmup_hook is not None:
+                    pre_warmup_hook()
+                post_pending = post_warmup_hook is not None
+                if ordered or hooks.hooks is not None:
+                    _warmup_schedule(plans, sched, eng, num_warmup_iters, allow_unused_input, hooks,
+                                     callables_t, track)
+                else:
+                    for plan in plans:
+                        current = plan
+                        _warmup(plan, eng, num_warmup_iters, allow_unused_input, callables_t[plan.callable_index])
+            except BaseException:
+                if post_pending:  # TransformerEngine runs it even when warmup fails
+                    post_pending = False
+                    try:
+                        post_warmup_hook()  # type: ignore[misc]
+                    except Exception as hook_error:  # keep the original error
+                        log.warning("gograph: post_warmup_hook after a failed warmup: %s", str(hook_error))
+                raise
+            if post_pending:
+                current = None
+                post_warmup_hook()  # type: ignore[misc]
         eng.synchronize()
+        build.warmup_finished()
 
-        # All captures share the pool; capture in the order they will run:
-        # fwd 1, ..., fwd N, then bwd N, ..., bwd 1.
-        phase = "forward capture"
-        captured_outputs: list[tuple[Tensor, ...]] = []
+        # Buffer reuse (Go): slots for static inputs and grad outputs, release steps for the
+        # buffers the graphs allocate.
+        reuse: _schedule.BufferReuse | None = None
+        releases: dict[int, list[tuple[str, Any, int]]] = {}
+        if _reuse_graph_input_output_buffers:
+            phase, current = "buffer planning", None
+            reuse, releases = _schedule.apply_buffer_reuse(
+                plans, sched, clone_param_grads_on_return, release_pool_buffers=isinstance(eng, CudaEngine))
+
+        # All captures share the pool; capture in the order they will run -- the schedule's:
+        # fwd 1, ..., fwd N, then bwd N, ..., bwd 1, or _order's steps.
+        captured: dict[int, tuple[Tensor, ...]] = {}
+        discover = num_warmup_iters == 0 and not ordered  # no warmup found the wgrad submodules
+        for si, step in enumerate(sched.steps):
+            plan = plans[step.pass_index]
+            current = plan
+            func = callables_t[plan.callable_index]
+            if step.kind == _schedule.FORWARD_STEP:
+                phase = "forward capture"
+                hooks.forward_pre(plan.callable_index, func, plan.sample_args, plan.sample_kwargs)
+                with (_schedule.discover_wgrad_modules(func, plan.wgrad_modules) if discover
+                      else contextlib.nullcontext()):
+                    outputs = _capture_forward(plan, eng, mempool)
+                if hooks.hooks is not None:
+                    hooks.forward(plan.callable_index, func, plan.sample_args, plan.sample_kwargs,
+                                  pytree.tree_unflatten(list(outputs), plan.output_spec))  # type: ignore[arg-type]
+                # Keep detached aliases: the static storage, without the capture's autograd graph.
+                plan.output_requires_grad = tuple(bool(o.requires_grad) for o in outputs)
+                plan.static_outputs = tuple(o.detach() for o in outputs)
+                if any(plan.output_requires_grad):
+                    captured[plan.index] = outputs
+                del outputs
+            elif step.kind == _schedule.BACKWARD_STEP:
+                phase = "backward capture"
+                outputs = captured.pop(plan.index, plan.static_outputs)
+                with torch.set_grad_enabled(plan.grad_enabled):
+                    _capture_backward(plan, outputs, eng, mempool, allow_unused_input,
+                                      retain_graph_in_backward, hooks, func)
+                del outputs
+                if not ordered and plan.has_backward and plan.wgrad_modules and (
+                        plan.need_dw or (discover and _schedule.modules_needing_dw(list(plan.wgrad_modules.values())))):
+                    phase = "weight-gradient capture"
+                    _capture_wgrad(plan, eng, mempool)
+            else:
+                phase = "weight-gradient capture"
+                _capture_wgrad(plan, eng, mempool)
+            for role, released_plan, idx in releases.get(si, ()):
+                _schedule.release_pool_buffer(role, released_plan, idx)
+        captured.clear()
         for plan in plans:
-            current = plan
-            captured_outputs.append(_capture_forward(plan, eng, mempool))
-
-        phase = "backward capture"
-        for plan, outputs in zip(reversed(plans), reversed(captured_outputs)):
-            current = plan
-            with torch.set_grad_enabled(plan.grad_enabled):
-                _capture_backward(plan, outputs, eng, mempool, allow_unused_input)
-        for plan, outputs in zip(plans, captured_outputs):
-            # Keep detached aliases: the static storage, without the capture's autograd graph.
-            plan.output_requires_grad = tuple(bool(o.requires_grad) for o in outputs)
-            plan.static_outputs = tuple(o.detach() for o in outputs)
-        captured_outputs.clear()
+            if not plan.static_grad_inputs:  # no backward step (eval): nothing differentiates it
+                plan.static_grad_outputs = (None,) * len(plan.static_outputs)
+                plan.static_grad_inputs = (None,) * len(plan.surface)
 
         phase = "seal"
         for plan in plans:
             current = plan
             eng.seal(plan.pass_id)
         eng.synchronize()  # uploads and captures complete before the first replay
+        if build.debug_replay_order:
+            _observe.enable_replay_order_check([plan.pass_id for plan in plans])
     except BaseException as e:
+        build.close(failed=True)
         for pass_id in created:
             try:
                 eng.drop(pass_id, mempool)
@@ -707,6 +1476,7 @@ def make_graphed_callables(
                 raise wrapped from e
         raise
     eng.set_rng_state(rng_state)
+    build.close()
 
     ret: list[_ModuleOrCallable] = []
     for plan in plans:
@@ -731,12 +1501,24 @@ def make_graphed_callables(
             training=plan.training,
             original_forward=plan.original_forward,
             original_forward_is_method=plan.original_forward_is_method,
+            args_spec=pytree.tree_flatten(plan.sample_args)[1],
+            kwargs_keys=plan.kwargs_keys,
+            kwargs_spec=pytree.tree_flatten([plan.sample_kwargs[k] for k in plan.kwargs_keys])[1]
+            if plan.kwargs_keys else None,
+            wgrad=plan.wgrad_body,
+            buffer_reuse=reuse,
         )
-        if module is not None:
+        graphed.build_stats = build
+        graphed._check_replay_order = build.debug_replay_order
+        graphed._retain_graph_in_backward = retain_graph_in_backward  # a second backward is then valid
+        if module is not None and not ordered:
             module.forward = graphed  # type: ignore[method-assign]
             module.reset = graphed.reset  # type: ignore[attr-defined]
+            module.backward_dw = graphed.backward_dw  # type: ignore[attr-defined]
             ret.append(module)
         else:
+            # With _order a module runs in several passes: each pass is its own callable
+            # (TransformerEngine returns them in pass order) and the module keeps its forward.
             ret.append(graphed)
         log.debug("gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
                   plan.index, plan.label, plan.pass_id, eng.name, plan.has_backward)
