@@ -16,12 +16,12 @@ PY
 rc=0
 for w in "${what[@]}"; do
   case "$w" in
-    tests) python3 -m pytest -q -rs -m cuda tests 2>&1 | tee "$out/pytest-cuda.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    alltests) python3 -m pytest -q -rs tests 2>&1 | tee "$out/pytest-all.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -m cuda tests 2>&1 | tee "$out/pytest-cuda.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    alltests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs tests 2>&1 | tee "$out/pytest-all.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     demo) python3 examples/demo.py 2>&1 | tee "$out/demo.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    bench) python3 bench/run.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    profile) python3 bench/profile_replay.py 2>&1 | tee "$out/profile.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    pipeline) python3 bench/pipeline.py --json "$out/pipeline.json" 2>&1 | tee "$out/pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    bench) timeout 200 python3 bench/run.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    profile) timeout 120 python3 bench/profile_replay.py 2>&1 | tee "$out/profile.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    pipeline) timeout 200 python3 bench/pipeline.py --json "$out/pipeline.json" 2>&1 | tee "$out/pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline)"; rc=2 ;;
   esac
 done
