@@ -189,7 +189,11 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
                   max_abs_diff_vs_eager=float((graphed_out - eager_out).abs().max()))
     for g in graphed:
         g.reset()
-    del graphed, build, stats
+    # The schedule's last outputs and the parameters' accumulated grads belong to the training
+    # loop, not to the graphing: drop them so that what is left is what graphing kept.
+    for p in params:
+        p.grad = None
+    del graphed, build, stats, graphed_out, eager_out
     _collect(cfg)
     # what is left of the graphing (the model itself was allocated before `base`)
     result["bytes_after_reset_and_delete"] = _allocated(cfg) - base if base is not None else None

@@ -87,6 +87,7 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
     for p in (q for l in layers for q in l.parameters()):
         p.grad = None
     samples = make_samples(w)
+    sample_bytes = sum(t.numel() * t.element_size() for (t,) in samples)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -114,7 +115,7 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    after = torch.cuda.memory_allocated() - base
+    after = torch.cuda.memory_allocated() - (base - sample_bytes)  # the samples are gone too
     # Eager reference on fresh layers (the graphed ones had forward replaced).
     eager_layers = make_layers(w)
     eager_step = time_steps(eager_layers, x, steps)

@@ -87,7 +87,7 @@ class _State:
         assert [m.__dict__.get("forward") for m in self.modules] == self.forwards, "a forward was replaced"
         for m in self.modules:
             assert not isinstance(m.forward, gograph.GraphedCallable)
-            assert "reset" not in m.__dict__
+            assert "reset" not in m.__dict__ and "backward_dw" not in m.__dict__
         assert _hook_counts(self.modules) == self.hooks, "module hooks changed (a temporary hook left behind?)"
         assert _global_hook_counts() == self.global_hooks, "global module hooks changed"
 
@@ -571,7 +571,7 @@ def test_cuda_fault_then_same_model_graphs_fifty_times(warm_cuda):
             del y
             for m in layers:
                 m.reset()
-                del m.forward, m.reset  # back to the plain module
+                del m.forward, m.reset, m.backward_dw  # back to the plain module
     for m in layers:
         m.zero_grad(set_to_none=True)
     for s in samples:

@@ -260,7 +260,14 @@ class CudaEngine(Engine):
     name = "cuda"
 
     def __init__(self, device: torch.device | int | str | None = None,
-                 generators: Sequence[torch.Generator] = ()) -> None:
+                 generators: Sequence[torch.Generator] = (),
+                 stream: torch.cuda.Stream | None = None) -> None:
+        """``device``: the CUDA device of the captures (default: the current one).
+        ``generators``: extra CUDA generators captures must carry (besides the default one).
+        ``stream``: the side stream for warmup and capture (default: a new one). Pass the stream
+        a DistributedDataParallel model was constructed under: DDP keeps its gradient
+        accumulators, which record their stream at creation, and a capture on another stream
+        would make that stream (or the legacy default stream) depend on the capture."""
         super().__init__()
         if not _native.cuda_available():
             raise RuntimeError(
@@ -277,7 +284,12 @@ class CudaEngine(Engine):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device: torch.device = device
         self.device_index: int = int(device.index)  # type: ignore[arg-type]
-        self.stream: torch.cuda.Stream = torch.cuda.Stream(device)
+        if stream is not None and stream.device != device:
+            raise ValueError(f"gograph: CudaEngine stream is on {stream.device}, not on the engine's {device}")
+        if stream is not None and int(stream.cuda_stream) == 0:
+            raise ValueError("gograph: CudaEngine cannot capture on the legacy default stream (0); "
+                             "pass a side stream such as torch.cuda.Stream()")
+        self.stream: torch.cuda.Stream = stream if stream is not None else torch.cuda.Stream(device)
         self.rng_stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.generators: list[torch.Generator] = list(generators)
         # RNG companion graphs by (pass id, kind): the Python-side part of a CUDA pass (its
@@ -287,6 +299,12 @@ class CudaEngine(Engine):
         # (a graph failed to be destroyed) Python gets no count back, though the core did reset
         # the pass and zero its references; this mirror says how many must still be released.
         self._pass_pool_refs: dict[int, int] = {}
+        # gopy's generated Python wrapper adds a Python-level call to every core call; the
+        # replay hot path calls the extension's C entry point directly (same arguments, same
+        # RuntimeError on failure) when the generated module exposes it.
+        core = _core()
+        ext = getattr(core, "_gographcore", None)
+        self._core_replay: Callable[[int, int, int], Any] = getattr(ext, "gograph_Replay", None) or core.replay
 
     def __repr__(self) -> str:
         return f"CudaEngine(device={self.device})"
@@ -420,7 +438,7 @@ class CudaEngine(Engine):
             companion = self._companions.get((pass_id, kind))
             if companion is not None:
                 companion.replay()
-        _core().replay(pass_id, kind, torch._C._cuda_getCurrentRawStream(self.device_index))
+        self._core_replay(pass_id, kind, torch._C._cuda_getCurrentRawStream(self.device_index))
 
     def release(self, pass_id: int, pool: Hashable) -> None:
         held = self._pass_pool_refs.pop(pass_id, 0)

@@ -366,7 +366,17 @@ def test_ddp(ctx: Ctx, res: Result) -> bool:
     ys = batches(ctx, ctx.steps, (s.batch, s.d), seed=200 + ctx.rank)
     ddp_kw: dict[str, Any] = {"device_ids": [ctx.local_rank]} if ctx.cuda else {}
     eager = DDP(dp_model(ctx, MLPBlock), **ddp_kw)
-    graphed = DDP(dp_model(ctx, MLPBlock), **ddp_kw)
+    # DDP keeps references to its gradient accumulators, which record the stream they were
+    # created on: construct the graphed model's DDP under the side stream gograph will capture
+    # on (torch's documented recipe), so the backward capture never syncs with another stream.
+    side = torch.cuda.Stream(ctx.device) if ctx.cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(ctx.device))
+        with torch.cuda.stream(side):
+            graphed = DDP(dp_model(ctx, MLPBlock), **ddp_kw)
+        torch.cuda.current_stream(ctx.device).wait_stream(side)
+    else:
+        graphed = DDP(dp_model(ctx, MLPBlock), **ddp_kw)
     ctx.others += [eager, graphed]
     res.check("same_init", bitwise_equal(list(eager.parameters()), list(graphed.parameters())))
 
@@ -375,7 +385,8 @@ def test_ddp(ctx: Ctx, res: Result) -> bool:
     blocks = list(graphed.module)[1:]
     g = torch.Generator(device="cpu").manual_seed(9)
     samples = [torch.randn(s.batch, s.d, generator=g).to(ctx.device).requires_grad_(True) for _ in blocks]
-    graph(ctx, res, blocks, samples, num_warmup_iters=11, engine=engine_for(ctx))
+    engine = gograph.CudaEngine(ctx.device, stream=side) if side is not None else engine_for(ctx)
+    graph(ctx, res, blocks, samples, num_warmup_iters=11, engine=engine)
 
     losses_e, times_e = train(ctx, eager, list(eager.parameters()), xs, ys)
     losses_g, times_g = train(ctx, graphed, list(graphed.parameters()), xs, ys)
@@ -403,7 +414,8 @@ def test_dp_ingraph(ctx: Ctx, res: Result) -> bool:
     g = torch.Generator(device="cpu").manual_seed(9)
     samples = [torch.randn(s.batch, s.d, generator=g).to(ctx.device).requires_grad_(i > 0)
                for i in range(len(blocks))]
-    graph(ctx, res, blocks, samples, num_warmup_iters=11, engine=engine_for(ctx))
+    engine = engine_for(ctx)
+    graph(ctx, res, blocks, samples, num_warmup_iters=11, engine=engine)
 
     losses_e, times_e = train(ctx, eager, list(eager.parameters()), xs, ys)
     losses_g, times_g = train(ctx, graphed, list(graphed.parameters()), xs, ys)
