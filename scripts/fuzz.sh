@@ -28,11 +28,24 @@ total=0
 while read -r pkg target; do
   [ -n "$pkg" ] || continue
   start=$(date +%s)
-  if "$GO" test -run '^$' -fuzz "^${target}\$" -fuzztime "$fuzztime" "$pkg" >"$log" 2>&1; then
-    status=ok
-  else
-    status=FAIL; rc=1
-  fi
+  status=FAIL
+  for attempt in 1 2; do
+    if "$GO" test -run '^$' -fuzz "^${target}\$" -fuzztime "$fuzztime" "$pkg" >"$log" 2>&1; then
+      status=ok; break
+    fi
+    # On a loaded machine the fuzzing engine itself can miss its shutdown deadline ("context
+    # deadline exceeded") with no failing input: that is not a finding. A real finding always
+    # writes its input ("Failing input written to testdata/fuzz/...").
+    if grep -q 'context deadline exceeded' "$log" && ! grep -q 'Failing input written' "$log"; then
+      status=slow; continue
+    fi
+    break
+  done
+  case "$status" in
+    ok) ;;
+    slow) status=ok; echo "fuzz note: $target missed the fuzzing engine's deadline twice without a failing input (machine too loaded)" ;;
+    *) rc=1 ;;
+  esac
   execs=$(grep -o 'execs: [0-9]*' "$log" | tail -1 | awk '{print $2}')
   newc=$(grep -o 'new interesting: [0-9]*' "$log" | tail -1 | awk '{print $3}')
   total=$(( total + ${execs:-0} ))
