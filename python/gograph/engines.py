@@ -492,11 +492,21 @@ class CudaEngine(Engine):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def _allocated_bytes(self, which: str) -> int:
+        # torch.cuda.memory_allocated() flattens the allocator's whole statistics tree into a
+        # dict on every call (~0.3 ms, measured on the H200: a quarter of W2's graphing time when
+        # read around each capture); the raw statistics give the same counter directly.
+        try:
+            return int(torch._C._cuda_memoryStats(self.device_index)["allocated_bytes"]["all"][which])
+        except (AttributeError, KeyError, TypeError):
+            stat = torch.cuda.memory_allocated if which == "current" else torch.cuda.max_memory_allocated
+            return int(stat(self.device))
+
     def memory_allocated(self) -> int | None:
-        return int(torch.cuda.memory_allocated(self.device))
+        return self._allocated_bytes("current")
 
     def max_memory_allocated(self) -> int | None:
-        return int(torch.cuda.max_memory_allocated(self.device))
+        return self._allocated_bytes("peak")
 
     def pool_memory(self, pool: Hashable) -> tuple[int, int, int] | None:
         # The caching allocator's segments owned by this private pool (segment_pool_id is the
