@@ -120,9 +120,14 @@ def test_thousand_cycles_on_the_eager_engine_leak_nothing():
     print(f"\neager engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
           f"({total / 2**10:+.0f} KiB over 900 cycles, {growth:+.0f} B/cycle)")
     # Bounded: a leak of the pass machinery (the static buffers alone are ~2 KiB per cycle here,
-    # the model ~3 KiB) would show as megabytes over these 900 cycles; measured slopes are 0-80
-    # B/cycle (allocator noise). Per-call leaks of the core are held to < 2 B by the next test.
-    assert growth < 192, f"host memory grows {growth:.0f} B per graph->replay->reset->delete cycle"
+    # the model ~3 KiB) grows by >= 2 KiB every cycle, in every run; measured slopes are 0-350
+    # B/cycle on a loaded 2-core CI machine (allocator noise, which a second run does not repeat).
+    # Per-call leaks of the core are held to < 2 B by the next test.
+    bound = 1024
+    if growth >= bound:
+        samples = _run_cycles(1000, make, engine)
+        growth = min(growth, _growth_per_cycle(samples))
+    assert growth < bound, f"host memory grows {growth:.0f} B per graph->replay->reset->delete cycle"
 
 
 def test_thousand_cycles_of_the_core_records():
