@@ -142,6 +142,45 @@ def _timed_schedule(cfg: Config, call: Callable[[int, torch.Tensor], torch.Tenso
     return statistics.median(times), out
 
 
+def eager_floor(cfg: Config) -> dict[str, int | None]:
+    """What the schedule itself needs: one eager run of the order over 64 fresh sample inputs
+    (each pass's input a sample that requires grad, as in warmup and capture; each backward
+    takes a fresh output grad), peak memory counted from before the samples were allocated.
+    Any graphing that keeps every pass's activations until its backward (as replay in the
+    schedule's order requires) cannot peak below this."""
+    if cfg.device.type != "cuda":
+        return {"peak_bytes": None}
+    torch.manual_seed(0)
+    layers = [Layer(cfg.hidden, cfg.ffn).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.layers)]
+    for _ in range(2):  # the second run is measured: the first creates cuBLAS workspaces
+        _collect(cfg)
+        base = _allocated(cfg)
+        torch.cuda.reset_peak_memory_stats(cfg.device)
+        samples = [torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
+                   for _ in range(cfg.passes)]
+        fwd = [0] * cfg.chunks
+        bwd = [0] * cfg.chunks
+        live: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for e in cfg.order:
+            c = abs(e) - 1
+            if e > 0:
+                m = fwd[c]
+                fwd[c] += 1
+                first = c * cfg.layers * cfg.micro + m * cfg.layers
+                live[(c, m)] = [layers[c * cfg.layers + li](samples[first + li]) for li in range(cfg.layers)]
+            else:
+                m = bwd[c]
+                bwd[c] += 1
+                for out in reversed(live.pop((c, m))):
+                    out.backward(torch.ones_like(out))
+        _sync(cfg)
+        peak = torch.cuda.max_memory_allocated(cfg.device) - base  # type: ignore[operator]
+        del samples, live
+        for p in (q for l in layers for q in l.parameters()):
+            p.grad = None
+    return {"peak_bytes": peak}
+
+
 def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     layers = [Layer(cfg.hidden, cfg.ffn).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.layers)]
@@ -164,6 +203,7 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
     _collect(cfg)
     retained = _allocated(cfg) - base if base is not None else None
     build = graphed[0].build_stats
+    warm = build.warmup if build is not None else None
     capture_s = sum(r.seconds for r in build.captures) if build is not None else None
     stats = graphed[0].buffer_reuse
     sample_buffers = cfg.passes * 2  # per pass: its input and its output's grad buffer
@@ -174,6 +214,9 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
         "capture_seconds": capture_s,
         "captures": len(build.captures) if build is not None else None,
         "peak_bytes_during_call": peak,
+        "warmup_peak_bytes": (warm.peak_bytes - base) if warm is not None and base is not None else None,
+        "warmup_peak_exact": warm.exact if warm is not None else None,
+        "capture_memory_deltas": [r.memory_delta_bytes for r in build.captures] if build is not None else None,
         "retained_bytes_after_call": retained,
         "slots": stats.slots if stats is not None else sample_buffers,
         "te_fifo_slots": stats.te_fifo if stats is not None else sample_buffers,
@@ -220,7 +263,27 @@ def main(argv: list[str] | None = None) -> int:
               "use --cpu-smoke for the eager engine", file=sys.stderr)
         return 2
     cfg = Config(args)
-    results = {"config": cfg.as_dict(), "results": {}}
+    results: dict[str, Any] = {"config": cfg.as_dict(), "results": {}}
+    if cfg.device.type == "cuda":
+        # One-time, per process: the CUDA engine's side streams. torch gives every stream that
+        # runs a matmul its own cuBLAS workspace and keeps it until the process ends (or
+        # torch._C._cuda_clearCublasWorkspaces()), so the first graphing in a process leaves
+        # that much allocated; measured here on a throwaway layer so that the modes below show
+        # what graphing itself leaves.
+        _collect(cfg)
+        before = _allocated(cfg)
+        primer = torch.nn.Linear(cfg.hidden, cfg.hidden).to(cfg.device, cfg.dtype)
+        g = gograph.make_graphed_callables(primer, (torch.randn(8, cfg.hidden, device=cfg.device, dtype=cfg.dtype),))
+        g.reset()
+        del g, primer
+        _collect(cfg)
+        results["engine_stream_workspaces_bytes"] = _allocated(cfg) - before  # type: ignore[operator]
+        print(f"one-time per process (cuBLAS workspaces of the engine's side streams): "
+              f"{_fmt(results['engine_stream_workspaces_bytes'])}")
+    floor = eager_floor(cfg)
+    results["eager_schedule_floor"] = floor
+    print(f"eager run of the order over the samples: peak {_fmt(floor['peak_bytes'])} (the floor for any "
+          "graphing that keeps each pass's activations until its backward)")
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("no-reuse", "reuse"):
             ap.error(f"unknown mode {mode!r}")
@@ -228,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         results["results"][mode] = r
         print(f"[{mode}] engine={r['engine']} call {r['call_seconds']:.2f} s (captures {r['captures']}, "
               f"{(r['capture_seconds'] or 0):.2f} s)")
+        deltas = [d for d in (r["capture_memory_deltas"] or []) if d is not None]
+        running, top = 0, 0
+        for d in deltas:
+            running += d
+            top = max(top, running)
+        print(f"    warmup peak {_fmt(r['warmup_peak_bytes'])} (exact: {r['warmup_peak_exact']}); captures' "
+              f"allocated memory rises to {_fmt(top)} above where capture started, ends at {_fmt(running)}")
         print(f"    peak during call {_fmt(r['peak_bytes_during_call'])}, retained after {_fmt(r['retained_bytes_after_call'])}, "
               f"after reset+delete {_fmt(r['bytes_after_reset_and_delete'])}")
         print(f"    slots {r['slots']} (TransformerEngine FIFO {r['te_fifo_slots']}, without reuse "

@@ -94,6 +94,42 @@ def main():
     med = lambda v: sorted(v)[len(v) // 2] / 1e3
     print(f"core.replay median: forward (main thread) {med(fwd_ns):.2f} us, backward (autograd thread) {med(bwd_ns):.2f} us")
     eng.replay = orig
+    # One launch, from the main thread: torch's CUDAGraph.replay() against the core's replay of a
+    # graph of the same work, and the cost of one graphed forward call under no_grad.
+    lin = torch.nn.Linear(a.width, a.width).cuda()
+    xs = torch.randn(a.rows, a.width, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            lin(xs)
+    torch.cuda.current_stream().wait_stream(side)
+    tgraph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(tgraph):
+        lin(xs)
+
+    def per_call_us(fn, n=3000):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        return best
+    pid = gg[1].forward.pass_id
+    stream_of = torch._C._cuda_getCurrentRawStream
+    print(f"one launch: torch CUDAGraph.replay {per_call_us(tgraph.replay):.2f} us, core.replay "
+          f"{per_call_us(lambda: core.replay(pid, 0, stream_of(idx))):.2f} us, engine.replay "
+          f"{per_call_us(lambda: eng.replay(pid, 0)):.2f} us")
+    with torch.no_grad():
+        print(f"one graphed forward call under no_grad: torch {per_call_us(lambda: tg[1](x)):.2f} us, "
+              f"gograph {per_call_us(lambda: gg[1](x)):.2f} us")
+    xg = x.detach().requires_grad_()
+    print(f"one graphed forward call with grad (autograd node built): torch {per_call_us(lambda: tg[1](xg)):.2f} us, "
+          f"gograph {per_call_us(lambda: gg[1](xg)):.2f} us")
+    del tgraph
     gg_noclone = None
     for m in gg:
         m.reset()

@@ -127,11 +127,59 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
                 graphed_step_ms=graphed_step * 1e3, eager_step_ms=eager_step * 1e3)
 
 
+def compare_steps(w: Workload, steps: int, rounds: int) -> dict:
+    """Graphed step time of torch and gograph (and eager) on the same workload, all three alive
+    in one process and timed in alternating rounds, so that host noise (these steps are
+    CPU-bound) hits each maker alike. Returns the best round of each and the median of the
+    per-round gograph/torch ratios."""
+    x = torch.randn(w.rows, w.width, device="cuda", dtype=w.dtype)
+    models = {}
+    for maker in ("torch", "gograph", "eager"):
+        layers = make_layers(w)
+        step(layers, x)  # cuBLAS workspaces before graphing
+        for p in (q for l in layers for q in l.parameters()):
+            p.grad = None
+        if maker == "eager":
+            models[maker] = (layers, layers)
+            continue
+        make = gograph.make_graphed_callables if maker == "gograph" else torch.cuda.make_graphed_callables
+        models[maker] = (make(tuple(layers), make_samples(w)), layers)
+    for mods, _ in models.values():
+        for _ in range(3):
+            step(mods, x)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {m: [] for m in models}
+    names = list(models)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            mods = models[name][0]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(mods, x)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    ratios = sorted(g / t for g, t in zip(times["gograph"], times["torch"]))
+    for g in models["gograph"][0]:
+        g.reset()
+    for name in ("torch", "gograph"):
+        for layer in models[name][1]:
+            del layer.forward
+    del models
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"workload": w.name, "rounds": rounds, "steps_per_round": steps,
+            "best_ms": {m: min(v) for m, v in times.items()},
+            "median_ms": {m: sorted(v)[len(v) // 2] for m, v in times.items()},
+            "median_round_ratio": ratios[len(ratios) // 2]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="W1,W2")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--json", default="")
+    p.add_argument("--rounds", type=int, default=15, help="alternating rounds of the step comparison")
     args = p.parse_args()
     if not (torch.cuda.is_available() and gograph.cuda_available()):
         raise SystemExit(f"bench needs a GPU and gograph's CUDA flavor: {gograph.cuda_unavailable_reason()}")
@@ -150,15 +198,34 @@ def main() -> None:
     for (wl, mk), r in sorted(final.items()):
         print(f"{wl:4} {mk:8} {r['capture_s']:9.3f} {r['peak_mib']:9.1f} {r['retained_mib']:9.1f} "
               f"{r['after_reset_mib']:9.2f} {r['graphed_step_ms']:8.3f} {r['eager_step_ms']:8.3f}")
+    # What "after" holds: torch keeps a cuBLAS workspace for every stream that ran a matmul until
+    # the process ends. torch's maker warms up on a new side stream per call; gograph's engine
+    # keeps one side stream per device. Clearing them all shows how much that is by now.
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()
+    cublas_mib = (held - torch.cuda.memory_allocated()) / MiB
+    print(f"cuBLAS workspaces held after {len(rows)} graphings ({len(rows) // 2} per maker): {cublas_mib:.1f} MiB")
     ratios = {}
     for wl in sorted({k[0] for k in final}):
         t, g = final[(wl, "torch")], final[(wl, "gograph")]
         ratios[wl] = {k: (g[k] / t[k] if t[k] else float("nan"))
                       for k in ("capture_s", "peak_mib", "retained_mib", "graphed_step_ms")}
         print(f"{wl} gograph/torch: " + ", ".join(f"{k} x{v:.3f}" for k, v in ratios[wl].items()))
+    steps_cmp = {}
+    for name in args.only.split(","):
+        w = WORKLOADS[name]
+        c = compare_steps(w, max(5, args.steps // (5 if w.name == "W1" else 1)), args.rounds)
+        steps_cmp[name] = c
+        b, m = c["best_ms"], c["median_ms"]
+        print(f"{name} interleaved steps ({c['rounds']} rounds x {c['steps_per_round']}): best ms torch {b['torch']:.3f} "
+              f"gograph {b['gograph']:.3f} eager {b['eager']:.3f}; median ms torch {m['torch']:.3f} gograph "
+              f"{m['gograph']:.3f}; gograph/torch best x{b['gograph'] / b['torch']:.3f}, median per-round "
+              f"x{c['median_round_ratio']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "ratios": ratios, "device": torch.cuda.get_device_name(),
+            json.dump({"rows": rows, "ratios": ratios, "interleaved_steps": steps_cmp, "cublas_workspaces_mib": cublas_mib, "device": torch.cuda.get_device_name(),
                        "torch": torch.__version__}, f, indent=1)
 
 

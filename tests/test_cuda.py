@@ -264,3 +264,80 @@ def test_extra_generator_registered_with_the_engine(cuda_device):
     want = [torch.rand(16, device=cuda_device, generator=gen) for _ in range(2)]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     graphed.reset()
+
+
+def test_cyclic_garbage_holding_torch_graphs_collected_during_capture_does_not_break_it(cuda_device):
+    """A torch CUDAGraph whose last reference sits in a reference cycle becomes garbage while
+    gograph captures; allocations inside the capture would trigger the cyclic collector, whose
+    finalizer destroys the graph mid-capture (CUDA refuses that and invalidates the capture).
+    The CUDA engine keeps the collector off during a capture, so the capture succeeds and the
+    garbage is collected afterwards."""
+    lin = torch.nn.Linear(8, 8).to(cuda_device)
+    side = torch.cuda.Stream(cuda_device)
+    xs = torch.randn(2, 8, device=cuda_device)
+    side.wait_stream(torch.cuda.current_stream(cuda_device))
+    with torch.cuda.stream(side):
+        lin(xs)
+    torch.cuda.current_stream(cuda_device).wait_stream(side)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(torch_graph):
+        lin(xs)
+    keep = [torch_graph]
+    del torch_graph
+    freed = []
+
+    class Cycle:
+        def __init__(self, graph):
+            self.graph, self.me = graph, self
+
+        def __del__(self):
+            freed.append(torch.cuda.is_current_stream_capturing())
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            if torch.cuda.is_current_stream_capturing() and keep:
+                Cycle(keep.pop())  # now garbage, reachable only from its own cycle
+                junk = [[] for _ in range(5000)]  # enough container allocations to trigger a collection
+                del junk
+            return self.lin(x).relu()
+
+    model = Body().to(cuda_device)
+    gograph.make_graphed_callables(model, (torch.randn(4, 8, device=cuda_device, requires_grad=True),))
+    gc.collect()
+    assert freed == [False], "the cycle must be collected, and only once the capture was over"
+    x = torch.randn(4, 8, device=cuda_device, requires_grad=True)
+    y = model(x)
+    y.sum().backward()
+    ref = torch.nn.Linear(8, 8).to(cuda_device)
+    ref.load_state_dict(model.lin.state_dict())
+    xr = x.detach().requires_grad_()
+    ref(xr).relu().sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    model.reset()
+
+
+def test_rng_companions_share_the_engine_pool_even_after_all_were_reset(cuda_device):
+    """Every RNG companion of an engine captures into the engine's one anchored pool (a fresh
+    pool per companion cost ~42 KB of host memory per capture, never returned): the pool stays
+    usable after every companion captured into it was reset."""
+    eng = gograph.engines.default_cuda_engine(cuda_device)
+    a = make_mlp(seed=1, dropout=0.5, device=cuda_device)
+    gograph.make_graphed_callables(a, (torch.randn(4, 8, device=cuda_device, requires_grad=True),))
+    pool = eng._companion_pool
+    assert pool is not None and eng._companions
+    a.reset()
+    assert not eng._companions
+    b = make_mlp(seed=2, dropout=0.5, device=cuda_device)
+    ref = twin(b)
+    gograph.make_graphed_callables(b, (torch.randn(4, 8, device=cuda_device, requires_grad=True),))
+    assert eng._companion_pool == pool
+    x = torch.randn(4, 8, device=cuda_device)
+    torch.cuda.manual_seed(11)
+    y = b(x)
+    torch.cuda.manual_seed(11)
+    assert torch.equal(y, ref(x))
+    b.reset()

@@ -344,6 +344,10 @@ class _CudaState(_State):
     """_State plus device memory and capture status."""
 
     def __init__(self, device: torch.device, modules: list[torch.nn.Module]) -> None:
+        # The engine's RNG-companion anchor holds 1 KiB (the default generator's graph-safe
+        # seed/offset slots) for the engine's life, once per process: create it before the
+        # baseline, so that the baseline is what a failed call must come back to.
+        gograph.engines.default_cuda_engine(device)._anchored_companion_pool()
         _cuda_settle(device)
         self.device = device
         self.allocated = torch.cuda.memory_allocated(device)

@@ -270,11 +270,6 @@ def test_core_exposes_no_callbacks_and_only_scalar_signatures():
 # CUDA
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=False, reason=(
-    "known open problem (issue 5): on the H200 the device memory, graphs and pass records return to "
-    "baseline, but host RSS grows ~49 KB per graph->replay->reset->delete cycle on the CUDA engine. "
-    "bench/host_memory.py attributes it to captures with an RNG companion graph: +47 KB/cycle with "
-    "dropout, +1.1 KB without (torch: +0.2 / +0.6 KB)"))
 def test_thousand_cycles_on_cuda_leak_nothing(cuda_device):
     def make():
         torch.manual_seed(0)

@@ -80,3 +80,32 @@ def test_dict_inputs_dropout_two_callables_ten_steps_bitwise_equal():
     tail.reset()
     del head, tail
     gc.collect()
+
+
+def test_create_graph_backward_gives_grads_and_refuses_double_backward():
+    """backward(create_graph=True) through a graphed callable returns the same grads as without
+    it, and differentiating those grads again raises (the graph's backward is once-differentiable,
+    as torch's graphed callables are)."""
+    model = make_mlp(seed=3)
+    ref = twin(model)
+    gograph.make_graphed_callables(model, (torch.randn(4, 8, requires_grad=True),))
+    x = torch.randn(4, 8, requires_grad=True)
+    (gx,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    xr = x.detach().requires_grad_()
+    (gr,) = torch.autograd.grad(ref(xr).square().sum(), xr)
+    assert torch.equal(gx, gr)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+    model.reset()
+
+
+def test_graphed_call_under_vmap_takes_torch_path_and_refuses():
+    """Under a functorch transform the call goes through torch.autograd.Function.apply, which
+    refuses a Function without setup_context (as for torch's graphed callables) instead of
+    replaying on batched tensors."""
+    model = make_mlp(seed=4)
+    gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    with pytest.raises(RuntimeError, match="setup_context|functorch"):
+        torch.func.vmap(model)(torch.randn(3, 4, 8))
+    model.reset()

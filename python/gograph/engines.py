@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import gc
 import itertools
 import logging
 import threading
@@ -242,7 +243,8 @@ class CudaEngine(Engine):
 
     1. ``torch.cuda.synchronize()`` and ``empty_cache()`` (as ``torch.cuda.graph`` does);
     2. if the body may consume CUDA RNG, an *RNG companion* ``torch.cuda.CUDAGraph`` begins a
-       relaxed-mode capture on a second stream: this registers the default generator (and every
+       relaxed-mode capture on a second stream, in one pool the engine keeps for its
+       companions: this registers the default generator (and every
        extra generator given to the engine) with torch's graph machinery, so philox offsets are
        recorded as graph-relative; the companion captures nothing itself;
     3. on the side stream: torch's allocations on that stream are routed to the pool
@@ -295,6 +297,12 @@ class CudaEngine(Engine):
         # RNG companion graphs by (pass id, kind): the Python-side part of a CUDA pass (its
         # graphs themselves are owned by the core's record).
         self._companions: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # One pool for every companion of this engine (they allocate nothing): a fresh pool id
+        # per companion cost ~42 KB of host memory per capture that torch never returns
+        # (bench/companion_rss.py, H200). See _anchored_companion_pool.
+        self._companion_pool: Hashable = None
+        self._companion_anchor: torch.cuda.CUDAGraph | None = None
+        self._companion_pool_stale = False
         # Pool references each pass took, mirrored from the core's record: when reset_pass raises
         # (a graph failed to be destroyed) Python gets no count back, though the core did reset
         # the pass and zero its references; this mirror says how many must still be released.
@@ -329,6 +337,20 @@ class CudaEngine(Engine):
 
     def _capture(self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable,
                  uses_rng: bool | None) -> tuple[torch.Tensor | None, ...]:
+        # Python's cyclic garbage collector must not run while the stream captures: a collected
+        # cycle holding a torch CUDAGraph (e.g. a torch-graphed module left in a reference cycle)
+        # destroys it mid-capture, which CUDA refuses and which invalidates the capture (seen on
+        # the H200). Collection resumes as soon as the capture is over.
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._capture_gc_off(pass_id, kind, body, *body_args, pool=pool, uses_rng=uses_rng)
+        finally:
+            if gc_enabled:
+                gc.enable()
+
+    def _capture_gc_off(self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable,
+                        uses_rng: bool | None) -> tuple[torch.Tensor | None, ...]:
         core = _core()
         need_companion = uses_rng is None or bool(uses_rng)
         sid = int(self.stream.cuda_stream)
@@ -340,12 +362,9 @@ class CudaEngine(Engine):
         graph = 0
         with torch.cuda.device(self.device):
             if need_companion:
+                companion_pool = self._anchored_companion_pool()
                 companion = torch.cuda.CUDAGraph()
-                companion_pool = torch.cuda.graph_pool_handle()  # known, for cleanup on failure
-                for gen in self.generators:
-                    companion.register_generator_state(gen)
-                with torch.cuda.stream(self.rng_stream):
-                    companion.capture_begin(pool=companion_pool, capture_error_mode="relaxed")
+                self._begin_companion(companion, companion_pool)
             ok = False
             try:
                 with torch.cuda.stream(self.stream):
@@ -395,6 +414,42 @@ class CudaEngine(Engine):
                   KIND_NAMES.get(kind, kind), graph, pass_id, companion is not None)
         return result
 
+    def _anchored_companion_pool(self) -> Hashable:
+        """The engine's companion pool. It is anchored by an empty graph captured into it once
+        and kept by the engine: a CUDAGraph's capture takes a reference on the pool in both of
+        torch's allocators (device and pinned host), and torch refuses to capture into a pool
+        id whose last reference was released, which would happen as soon as the last companion
+        is reset. The anchor goes with the engine.
+
+        The anchor keeps the default generator registered with a graph, so torch keeps its
+        graph-safe seed and offset slots (two 8-byte device tensors, 1 KiB of allocator blocks)
+        allocated for the engine's life instead of freeing and re-allocating them around every
+        companion. After a failed companion the pool is replaced: the new anchor is captured
+        before the old one goes, so those slots are never freed and re-allocated."""
+        if self._companion_pool is None or self._companion_pool_stale:
+            pool = torch.cuda.graph_pool_handle()
+            anchor = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.device):
+                self._begin_companion(anchor, pool)
+                self._end_companion(anchor, pool)
+            self._companion_anchor = anchor  # the previous anchor, if any, goes only now
+            self._companion_pool = pool
+            self._companion_pool_stale = False
+        return self._companion_pool
+
+    def _begin_companion(self, companion: torch.cuda.CUDAGraph, companion_pool: Hashable) -> None:
+        """Begins the companion's relaxed capture on the RNG stream. If torch fails part-way
+        (it puts the generators in capture mode and routes the pool before it begins the stream
+        capture), both are undone before the error propagates."""
+        for gen in self.generators:
+            companion.register_generator_state(gen)
+        with torch.cuda.stream(self.rng_stream):
+            try:
+                companion.capture_begin(pool=companion_pool, capture_error_mode="relaxed")
+            except Exception:
+                self._undo_companion(companion_pool)
+                raise
+
     def _end_companion(self, companion: torch.cuda.CUDAGraph, companion_pool: Hashable) -> None:
         """Ends the companion's capture. When torch's capture_end fails (its stream capture was
         invalidated), torch leaves two things behind that would break later work: the
@@ -405,24 +460,33 @@ class CudaEngine(Engine):
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty": by design
             try:
                 companion.capture_end()
-                return
             except Exception:
-                try:
-                    torch._C._cuda_endAllocateToPool(self.device_index, companion_pool)
-                except Exception as e:
-                    log.debug("gograph: companion pool cleanup: %s", str(e))
-                try:
-                    # A throwaway capture runs the generators' capture prologue and epilogue,
-                    # which takes them out of capture mode.
-                    scratch = torch.cuda.CUDAGraph()
-                    for gen in self.generators:
-                        scratch.register_generator_state(gen)
-                    scratch.capture_begin(capture_error_mode="relaxed")
-                    scratch.capture_end()
-                    scratch.reset()
-                except Exception as e:
-                    log.warning("gograph: could not take the CUDA generators out of capture mode: %s", str(e))
+                self._undo_companion(companion_pool)
                 raise
+
+    def _undo_companion(self, companion_pool: Hashable) -> None:
+        # A failed companion can leave its pool marked as being recorded to (a capture that CUDA
+        # invalidated), and torch refuses to begin another capture into that pool: later
+        # companions get a fresh anchored pool.
+        if companion_pool == self._companion_pool:
+            self._companion_pool_stale = True
+        try:
+            torch._C._cuda_endAllocateToPool(self.device_index, companion_pool)
+        except Exception as e:
+            log.debug("gograph: companion pool cleanup: %s", str(e))
+        try:
+            # A throwaway capture runs the generators' capture prologue and epilogue, which
+            # takes them out of capture mode.
+            with torch.cuda.stream(self.rng_stream), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scratch = torch.cuda.CUDAGraph()
+                for gen in self.generators:
+                    scratch.register_generator_state(gen)
+                scratch.capture_begin(capture_error_mode="relaxed")
+                scratch.capture_end()
+                scratch.reset()
+        except Exception as e:
+            log.warning("gograph: could not take the CUDA generators out of capture mode: %s", str(e))
 
     def replay(self, pass_id: int, kind: int) -> None:
         # The hot path: one capture-status query, one dict probe (RNG companion), one raw
