@@ -80,6 +80,19 @@ def time_steps(layers, x, steps: int, rounds: int = 5) -> float:
     return best
 
 
+def ungraph(maker: str, layers, graphed) -> None:
+    """Back to the ungraphed modules: torch keeps its graphs in closures on each layer's forward
+    attribute, gograph in the GraphedCallable there (reset first: its memory goes back at once);
+    deleting the attributes drops them."""
+    if maker == "gograph":
+        for g in graphed:
+            g.reset()
+    for layer in layers:
+        del layer.forward
+        layer.__dict__.pop("reset", None)
+        layer.__dict__.pop("backward_dw", None)
+
+
 def measure(w: Workload, maker: str, steps: int) -> dict:
     layers = make_layers(w)
     x = torch.randn(w.rows, w.width, device="cuda", dtype=w.dtype)
@@ -103,14 +116,7 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
     graphed_step = time_steps(graphed, x, steps)
     for p in (q for l in layers for q in l.parameters()):
         p.grad = None
-    if maker == "gograph":
-        for g in graphed:
-            g.reset()
-    # Back to the ungraphed modules: torch keeps its graphs in closures on each layer's
-    # forward attribute, gograph in the GraphedCallable there; deleting the attribute drops them.
-    for layer in layers:
-        del layer.forward
-        layer.__dict__.pop("reset", None)
+    ungraph(maker, layers, graphed)
     del graphed, samples
     gc.collect()
     torch.cuda.synchronize()
@@ -160,11 +166,8 @@ def compare_steps(w: Workload, steps: int, rounds: int) -> dict:
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) / steps * 1e3)
     ratios = sorted(g / t for g, t in zip(times["gograph"], times["torch"]))
-    for g in models["gograph"][0]:
-        g.reset()
     for name in ("torch", "gograph"):
-        for layer in models[name][1]:
-            del layer.forward
+        ungraph(name, models[name][1], models[name][0])
     del models
     gc.collect()
     torch.cuda.empty_cache()

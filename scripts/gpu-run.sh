@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool), in a copy of this repo whose
 # python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
-# Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem]
+# Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem] [capture]
 #        (default: tests demo)
 # Logs go to $OUT (the device tool's return folder) when set.
 set -uo pipefail
@@ -24,8 +24,9 @@ for w in "${what[@]}"; do
     profile) timeout 120 python3 bench/profile_replay.py 2>&1 | tee "$out/profile.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     companion) timeout 150 python3 bench/companion_rss.py --cycles 200 2>&1 | tee "$out/companion.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     hostmem) timeout 200 python3 bench/host_memory.py --cycles 200 2>&1 | tee "$out/host_memory.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    capture) timeout 300 python3 bench/capture_time.py --rounds 21 --json "$out/capture.json" 2>&1 | tee "$out/capture.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     pipeline) timeout 200 python3 bench/pipeline.py --json "$out/pipeline.json" 2>&1 | tee "$out/pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"

@@ -62,6 +62,9 @@ def test_per_pass_bytes_and_totals():
     assert r.shared == []
     # Build: warmup peak is CUDA-only; the captures are recorded with their order and time.
     assert len(r.builds) == 1 and r.builds[0].warmup is None and r.builds[0].captures == 4
+    # Warmup ran (3 iterations per callable) and is part of the build's time.
+    assert 0 < r.builds[0].warmup_seconds < r.builds[0].seconds
+    assert f"warmup {r.builds[0].warmup_seconds * 1e3:.1f} ms" in str(r)
     assert [c.kind for c in pa.captures] == ["forward", "backward"]
     assert [c.seq for c in pb.captures] == [2, 3]
     assert all(c.seconds >= 0 and c.memory_delta_bytes is None for c in pa.captures + pb.captures)

@@ -394,6 +394,63 @@ def test_delayed_wgrad_in_order(device: str, reuse: bool) -> None:
             g.backward_dw()
 
 
+class _WithProtocol(torch.nn.Linear):
+    def need_backward_dw(self) -> bool:
+        return True
+
+    def backward_dw(self) -> None:
+        pass
+
+
+def _instance_protocol() -> torch.nn.Module:
+    m = torch.nn.Linear(2, 2)
+    m.need_backward_dw = lambda: True  # type: ignore[method-assign]
+    m.backward_dw = lambda: None  # type: ignore[method-assign]
+    return m
+
+
+def _half_protocol() -> torch.nn.Module:
+    m = torch.nn.Linear(2, 2)
+    m.backward_dw = lambda: None  # type: ignore[method-assign]  # as a graphed module gets it
+    return m
+
+
+def _non_callable_protocol() -> torch.nn.Module:
+    m = torch.nn.Linear(2, 2)
+    m.need_backward_dw = True  # type: ignore[assignment]
+    m.backward_dw = lambda: None  # type: ignore[method-assign]
+    return m
+
+
+class _PlainProtocol:
+    def need_backward_dw(self) -> bool:
+        return False
+
+    def backward_dw(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: _WithProtocol(2, 2), True),
+    (_instance_protocol, True),
+    (lambda: torch.nn.Linear(2, 2), False),
+    (_half_protocol, False),
+    (_non_callable_protocol, False),
+    (_PlainProtocol, True),
+    (lambda: (lambda: None), False),
+], ids=["class-methods", "instance-methods", "none", "only-backward_dw", "non-callable", "plain-object",
+        "function"])
+def test_wgrad_protocol_detection(make: Any, expected: bool) -> None:
+    obj = make()
+    assert _schedule.has_wgrad_protocol(obj) is expected
+    # As the warmup looks for them: submodules first, then the graphed module itself.
+    wrapper = torch.nn.Sequential(torch.nn.ReLU(), obj) if isinstance(obj, torch.nn.Module) else obj
+    found = _schedule.wgrad_candidates(wrapper)
+    assert found == ((obj,) if expected and isinstance(obj, torch.nn.Module) else ())
+    if isinstance(obj, torch.nn.Module):
+        assert _schedule.wgrad_candidates(obj) == ((obj,) if expected else ())
+
+
 def test_backward_dw_is_a_noop_without_delayed_wgrad() -> None:
     mods = (Block(FEATURES, 0),)
     samples = tuple((torch.randn(ROWS, FEATURES, requires_grad=True),) for _ in range(2))

@@ -19,7 +19,7 @@ import numbers
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -102,10 +102,10 @@ def encode_layers(layers: Any) -> str:
     return ",".join(out)
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """One warmup/capture step: kind ("F", "B", "W"), the graphed pass, its callable, the
-    ``_order`` entry it expands (-1 without ``_order``), chunk (1-based), layer, microbatch."""
+    ``_order`` entry it expands (-1 without ``_order``), chunk (1-based), layer, microbatch.
+    (A named tuple: a schedule decodes one per step, hundreds for a pipeline.)"""
 
     kind: str
     pass_index: int
@@ -175,8 +175,8 @@ def decode_schedule(text: str, order: tuple[Any, ...] = ()) -> Schedule:
     head = dict(kv.split("=", 1) for kv in lines[0].split()[2:])
     steps = []
     for line in lines[1:]:
-        k, *v = line.split()
-        steps.append(Step(k, *(int(x) for x in v)))
+        k, p, c, e, ch, la, mi = line.split()
+        steps.append(Step(k, int(p), int(c), int(e), int(ch), int(la), int(mi)))
     n = int(head["passes"])
     callable_of = [0] * n
     wgrad: dict[int, int] = {}
@@ -338,15 +338,36 @@ def call_warmup_hook(hook: Any, name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 def has_wgrad_protocol(module: Any) -> bool:
     """A submodule takes part when it defines ``need_backward_dw()`` and ``backward_dw()``."""
+    if isinstance(module, torch.nn.Module):
+        # Instance dict, then class: what getattr finds for methods, without going through
+        # nn.Module.__getattr__, whose miss (the common case) builds an AttributeError -- asked
+        # for every submodule of every callable graphed.
+        inst, cls = module.__dict__, type(module)
+        return (callable(inst.get("need_backward_dw", getattr(cls, "need_backward_dw", None)))
+                and callable(inst.get("backward_dw", getattr(cls, "backward_dw", None))))
     return callable(getattr(module, "need_backward_dw", None)) and callable(getattr(module, "backward_dw", None))
 
 
+def wgrad_candidates(func: Any) -> tuple[Any, ...]:
+    """The modules :func:`discover_wgrad_modules` watches in ``func``: its submodules that
+    implement the delayed weight-gradient protocol, then ``func`` itself when it does (empty
+    for a function, or a module where none does)."""
+    if not isinstance(func, torch.nn.Module):
+        return ()
+    subs = tuple(m for m in func.modules() if m is not func and has_wgrad_protocol(m))
+    return subs + ((func,) if has_wgrad_protocol(func) else ())
+
+
 @contextlib.contextmanager
-def discover_wgrad_modules(func: Any, found: dict[int, Any]) -> Iterator[None]:
+def discover_wgrad_modules(func: Any, found: dict[int, Any],
+                           candidates: tuple[Any, ...] | None = None) -> Iterator[None]:
     """While active, every submodule of ``func`` (a module) that runs its forward and implements
     the delayed weight-gradient protocol is added to ``found`` (id -> module, first-seen order).
-    The temporary forward hooks are removed even when the forward raises."""
-    if not isinstance(func, torch.nn.Module):
+    The temporary forward hooks are removed even when the forward raises. ``candidates`` is
+    :func:`wgrad_candidates` of ``func``, when the caller computed it already."""
+    if candidates is None:
+        candidates = wgrad_candidates(func)
+    if not candidates:
         yield
         return
 
@@ -356,14 +377,12 @@ def discover_wgrad_modules(func: Any, found: dict[int, Any]) -> Iterator[None]:
 
     handles = []
     try:
-        for m in func.modules():
-            if m is func:
-                continue
-            if has_wgrad_protocol(m):
+        for m in candidates:
+            if m is not func:
                 handles.append(m.register_forward_hook(hook))
         yield
         # The graphed module itself runs through its unbound forward (no hooks fire): it ran.
-        if has_wgrad_protocol(func):
+        if candidates[-1] is func:
             found.setdefault(id(func), func)
     finally:
         for h in reversed(handles):
@@ -519,7 +538,7 @@ def replace_leaves(tree: Any, replacements: Mapping[int, Tensor]) -> Any:
 
 
 __all__ += ["CaptureTimeHooks", "WgradBody", "call_warmup_hook", "canonicalize_sample_kwargs",
-            "discover_wgrad_modules", "has_wgrad_protocol", "modules_needing_dw", "plan_buffers",
+            "discover_wgrad_modules", "has_wgrad_protocol", "wgrad_candidates", "modules_needing_dw", "plan_buffers",
             "replace_leaves", "signature_text", "slot_eligible", "te_signature", "tensor_signature",
             "weak_view"]
 

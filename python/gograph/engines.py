@@ -236,6 +236,50 @@ class Engine(abc.ABC):
 # ---------------------------------------------------------------------------------------------
 # CUDA
 # ---------------------------------------------------------------------------------------------
+class _OnDevice:
+    """``with torch.cuda.device(index)`` for an int index, through torch's raw device calls,
+    and nothing at all when ``index`` is already the current device."""
+
+    __slots__ = ("index", "prev")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.prev = -1
+
+    def __enter__(self) -> None:
+        prev = torch._C._cuda_getDevice()
+        if prev != self.index:
+            torch._C._cuda_setDevice(self.index)
+            self.prev = prev
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.prev >= 0:
+            torch._C._cuda_setDevice(self.prev)
+            self.prev = -1
+
+
+class _OnStream:
+    """``with torch.cuda.stream(stream)`` for a stream on the current device, through torch's
+    raw stream calls (``torch.cuda.set_stream`` does the same): makes ``stream`` the current
+    stream of its device and restores the previous one on exit."""
+
+    __slots__ = ("stream", "prev")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.prev: tuple[int, int, int] | None = None
+
+    def __enter__(self) -> None:
+        s = self.stream
+        self.prev = torch._C._cuda_getCurrentStream(s.device_index)
+        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+    def __exit__(self, *exc: Any) -> None:
+        prev, self.prev = self.prev, None
+        if prev is not None:
+            torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+
 class CudaEngine(Engine):
     """Captures with the Go core on a side CUDA stream of ``device``.
 
@@ -252,7 +296,10 @@ class CudaEngine(Engine):
        running backward ops on this stream is routed too), one pool reference is recorded on the
        pass, ``core.begin_capture`` (global mode), the body runs, ``core.end_capture``
        instantiates; any exception aborts the capture in the core; the routing always ends;
-    4. the companion's capture ends; the graph is attached to the pass and uploaded.
+    4. the companion's capture ends; the graph is attached to the pass. It is not uploaded
+       ahead of time: as with torch's graphs, its first launch uploads it (an explicit
+       ``cuGraphUpload`` per capture added ~45 us of graphing time per graph on the H200 and
+       only moved that cost out of the first replay).
 
     Replay is ``companion.replay()`` (advances the philox offset, writes the seed/offset the
     kernels read) when there is a companion, then one core call launching the graph on the
@@ -355,19 +402,24 @@ class CudaEngine(Engine):
         need_companion = uses_rng is None or bool(uses_rng)
         sid = int(self.stream.cuda_stream)
         idx = self.device_index
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        companion: torch.cuda.CUDAGraph | None = None
-        companion_pool: Hashable = None
         graph = 0
-        with torch.cuda.device(self.device):
+        # torch.cuda.device/stream/synchronize resolve their device argument through several
+        # Python layers on every call (a sizeable part of a small layer's capture time on the
+        # H200); _OnDevice and _OnStream make the same raw calls directly.
+        with _OnDevice(idx):
+            # As torch.cuda.graph: finish pending work and return cached blocks to the device,
+            # so that the capture's pool can grow into them.
+            torch._C._cuda_synchronize()
+            torch._C._cuda_emptyCache()
+            companion: torch.cuda.CUDAGraph | None = None
+            companion_pool: Hashable = None
             if need_companion:
                 companion_pool = self._anchored_companion_pool()
                 companion = torch.cuda.CUDAGraph()
                 self._begin_companion(companion, companion_pool)
             ok = False
             try:
-                with torch.cuda.stream(self.stream):
+                with _OnStream(self.stream):
                     torch._C._cuda_beginAllocateCurrentStreamToPool(idx, pool)
                     try:
                         # The begin call took one reference on the pool: record it on the
@@ -409,9 +461,9 @@ class CudaEngine(Engine):
             raise
         if companion is not None:
             self._companions[(pass_id, kind)] = companion
-        core.upload_graph(graph, sid)
-        log.debug("gograph: captured %s graph %d of pass %d (rng companion: %s)",
-                  KIND_NAMES.get(kind, kind), graph, pass_id, companion is not None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("gograph: captured %s graph %d of pass %d (rng companion: %s)",
+                      KIND_NAMES.get(kind, kind), graph, pass_id, companion is not None)
         return result
 
     def _anchored_companion_pool(self) -> Hashable:
@@ -443,7 +495,7 @@ class CudaEngine(Engine):
         capture), both are undone before the error propagates."""
         for gen in self.generators:
             companion.register_generator_state(gen)
-        with torch.cuda.stream(self.rng_stream):
+        with _OnStream(self.rng_stream):
             try:
                 companion.capture_begin(pool=companion_pool, capture_error_mode="relaxed")
             except Exception:
@@ -456,7 +508,7 @@ class CudaEngine(Engine):
         companion's pool stays among the allocator's captures underway, and the generators stay
         in capture mode (every later eager RNG call would raise). Both are undone here before
         the error propagates."""
-        with torch.cuda.stream(self.rng_stream), warnings.catch_warnings():
+        with _OnStream(self.rng_stream), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty": by design
             try:
                 companion.capture_end()
@@ -541,8 +593,11 @@ class CudaEngine(Engine):
         torch.cuda.synchronize(self.device)
 
     def rng_marker(self) -> Hashable:
-        gens = [self._default_generator(), *self.generators]
-        return tuple(int(g.get_offset()) for g in gens)
+        # Read around every warmup forward and backward: one offset read per generator.
+        if not self.generators:
+            return torch.cuda.default_generators[self.device_index].get_offset()
+        return (torch.cuda.default_generators[self.device_index].get_offset(),
+                *(g.get_offset() for g in self.generators))
 
     def get_rng_state(self) -> Any:
         return ([torch.cuda.get_rng_state(self.device)], [g.get_state() for g in self.generators])

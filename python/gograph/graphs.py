@@ -78,6 +78,9 @@ class StaticInputMismatchError(ValueError, RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # Capture bodies: explicit objects, not closures
 # ---------------------------------------------------------------------------------------------
+_LEAF_SPEC = pytree.tree_flatten(0)[1]  # the treespec of a lone leaf (a callable returning one Tensor)
+
+
 class _ForwardBody:
     """Runs one callable's forward on its (static) sample args and returns the flat tuple of
     output tensors; the output treespec of the latest call is kept in :attr:`out_spec`.
@@ -103,6 +106,9 @@ class _ForwardBody:
             out = self._fn(module, *args, **kwargs)
         else:
             out = self._fn(*args, **kwargs)
+        if isinstance(out, Tensor):  # the common case, without pytree's flattening
+            self.out_spec = _LEAF_SPEC
+            return (out,)
         if out is None:
             raise TypeError(
                 f"gograph: a graphed callable must return at least one Tensor; {self.label} returned None. "
@@ -660,6 +666,8 @@ class _Plan:
     wgrad_body: _schedule.WgradBody | None = None
     output_meta: tuple[tuple[tuple[Any, ...], bool], ...] = ()  # per output (signature, requires_grad)
     grad_output_slots: tuple[Tensor | None, ...] = ()  # shared grad-output buffers (buffer reuse)
+    wgrad_candidates: tuple[Any, ...] | None = None  # _schedule.wgrad_candidates of the callable
+    warmup_grad_outputs: tuple[Tensor | None, ...] | None = None  # reused across warmup iterations
 
     def __post_init__(self) -> None:
         if self.callable_index < 0:
@@ -850,15 +858,14 @@ def _check_devices(plans: Sequence[_Plan], engine: Engine) -> None:
                     f"gograph: sample arg leaf {j} of callable {plan.index} ({plan.label}) is on {t.device}, "
                     f"but the CUDA engine captures on {device}; move it there (e.g. .to('{device}')): "
                     "graphs read their inputs from that device's memory")
-        if plan.module_params:
-            names = {id(p): n for n, p in plan.func.named_parameters()} if isinstance(
-                plan.func, torch.nn.Module) else {}
-            for k, p in enumerate(plan.module_params):
-                if p.device != device:
-                    raise ValueError(
-                        f"gograph: parameter {names.get(id(p), k)!r} of callable {plan.index} ({plan.label}) "
-                        f"is on {p.device}, but the CUDA engine captures on {device}; move the module there "
-                        f"first (module.to('{device}'))")
+        for k, p in enumerate(plan.module_params):
+            if p.device != device:
+                names = {id(q): n for n, q in plan.func.named_parameters()} if isinstance(
+                    plan.func, torch.nn.Module) else {}
+                raise ValueError(
+                    f"gograph: parameter {names.get(id(p), k)!r} of callable {plan.index} ({plan.label}) "
+                    f"is on {p.device}, but the CUDA engine captures on {device}; move the module there "
+                    f"first (module.to('{device}'))")
 
 
 def _check_pool(pool: Any, engine: Engine) -> None:
@@ -874,7 +881,11 @@ def _warmup_forward(plan: _Plan, engine: Engine, hooks: _schedule.CaptureTimeHoo
     """One warmup forward of ``plan`` (its capture-time hooks around it, outside any capture),
     discovering the submodules with delayed weight gradients that run in it."""
     hooks.forward_pre(plan.callable_index, func, plan.sample_args, plan.sample_kwargs)
-    with torch.set_grad_enabled(plan.grad_enabled), _schedule.discover_wgrad_modules(func, plan.wgrad_modules):
+    if plan.wgrad_candidates is None:  # the module tree is fixed while graphing: look once
+        plan.wgrad_candidates = _schedule.wgrad_candidates(func)
+    with torch.set_grad_enabled(plan.grad_enabled), (
+            _schedule.discover_wgrad_modules(func, plan.wgrad_modules, plan.wgrad_candidates)
+            if plan.wgrad_candidates else contextlib.nullcontext()):
         before = engine.rng_marker()
         outputs = plan.body(*plan.sample_args, **plan.sample_kwargs)
         after = engine.rng_marker()
@@ -890,14 +901,16 @@ def _warmup_forward(plan: _Plan, engine: Engine, hooks: _schedule.CaptureTimeHoo
 
 
 def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
-                     hooks: _schedule.CaptureTimeHooks, func: Any, allow_unused_input: bool, it: int) -> None:
+                     hooks: _schedule.CaptureTimeHooks, func: Any, allow_unused_input: bool, it: int,
+                     reuse_grad_outputs: bool = False) -> None:
     """One warmup backward of ``plan``. Under TransformerEngine's rules (``plan.te_grads``), a
     sample arg without grad is an error unless ``allow_unused_input``, and parameters that get no
-    grad in the first iteration leave the static input surface."""
+    grad in the first iteration leave the static input surface. ``reuse_grad_outputs``: see
+    :func:`_warmup_grad_outputs` (only where the caller drops them after the plan's warmup)."""
     mask = tuple(bool(o.requires_grad) for o in outputs)
     if not any(mask):
         return
-    grad_outputs = tuple(torch.zeros_like(o) if m else None for o, m in zip(outputs, mask))
+    grad_outputs = _warmup_grad_outputs(plan, outputs, mask, reuse_grad_outputs and hooks.hooks is None)
     hooks.backward_pre(plan.callable_index, func, grad_outputs)
     inputs = plan.grad_surface
     before = engine.rng_marker()
@@ -926,6 +939,25 @@ def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
                 "no-grad params should only be used as inputs in the first warmup"
                 f" iteration, but found in iteration {it}")
         plan.module_params = tuple(kept)
+
+
+def _warmup_grad_outputs(plan: _Plan, outputs: tuple[Tensor, ...], mask: tuple[bool, ...],
+                         reuse: bool) -> tuple[Tensor | None, ...]:
+    """Zero incoming grads for a warmup backward (zeros, not torch's empty_like: uninitialised
+    memory can hold NaNs that anomaly detection or a hook would trip on). With ``reuse``, the
+    buffers of the plan's previous warmup iteration serve again when they still match (autograd
+    only reads them; capture-time hooks could write them, hence no reuse with hooks); the
+    caller drops them after the plan's last iteration."""
+    prev = plan.warmup_grad_outputs if reuse else None
+    if prev is not None and len(prev) == len(outputs) and all(
+            (p is None) == (not m) and (p is None or (p.shape == o.shape and p.dtype == o.dtype
+                                                      and p.device == o.device and p.stride() == o.stride()))
+            for p, o, m in zip(prev, outputs, mask)):
+        return prev
+    grads = tuple(torch.zeros_like(o) if m else None for o, m in zip(outputs, mask))
+    if reuse:
+        plan.warmup_grad_outputs = grads
+    return grads
 
 
 def _warmup_dw(plan: _Plan, engine: Engine, kind: str, entry: str | None, it: int) -> None:
@@ -968,12 +1000,62 @@ def _warmup(plan: _Plan, engine: Engine, iters: int, allow_unused_input: bool, f
         plan.fwd_rng = plan.bwd_rng = plan.dw_rng = None  # unknown: captures carry RNG state to be safe
         return
     plan.fwd_rng = plan.bwd_rng = plan.dw_rng = False
-    for it in range(iters):
-        outputs = _warmup_forward(plan, engine, _NO_HOOKS, func)
-        _warmup_backward(plan, outputs, engine, _NO_HOOKS, func, allow_unused_input, it)
-        del outputs
-        if plan.wgrad_modules:
-            _warmup_dw(plan, engine, _schedule.BACKWARD_STEP, None, it)
+    if plan.wgrad_candidates is None:  # the module tree is fixed while graphing: look once
+        plan.wgrad_candidates = _schedule.wgrad_candidates(func)
+    try:
+        if plan.wgrad_candidates or plan.te_grads:
+            # Delayed weight gradients or TransformerEngine's grad rules: the general steps.
+            for it in range(iters):
+                outputs = _warmup_forward(plan, engine, _NO_HOOKS, func)
+                _warmup_backward(plan, outputs, engine, _NO_HOOKS, func, allow_unused_input, it,
+                                 reuse_grad_outputs=True)
+                del outputs
+                if plan.wgrad_modules:
+                    _warmup_dw(plan, engine, _schedule.BACKWARD_STEP, None, it)
+        else:
+            _warmup_plain(plan, engine, iters, allow_unused_input)
+    finally:
+        plan.warmup_grad_outputs = None  # one plan's grad buffers alive at a time, as without reuse
+
+
+def _warmup_plain(plan: _Plan, engine: Engine, iters: int, allow_unused_input: bool) -> None:
+    """The same iterations as :func:`_warmup_forward` + :func:`_warmup_backward`, for a plan
+    without capture-time hooks, delayed weight gradients or TransformerEngine's grad rules --
+    the common case, and the one where per-iteration Python overhead shows (it runs
+    ``num_warmup_iters`` times per callable; for small layers it was a tenth of graphing time on
+    the H200). Generator offsets are read once between steps instead of around each, the output
+    checks run on the first iteration (the capture checks again), the grad surface is taken
+    once (nothing changes it here) and the zero grads are reused."""
+    marker = engine.rng_marker
+    inputs = plan.grad_surface
+    body, args, kwargs = plan.body, plan.sample_args, plan.sample_kwargs
+    with (contextlib.nullcontext() if torch.is_grad_enabled() == plan.grad_enabled
+          else torch.set_grad_enabled(plan.grad_enabled)):
+        at = marker()
+        for it in range(iters):
+            outputs = body(*args, **kwargs)
+            after_forward = marker()
+            if after_forward != at:
+                plan.fwd_rng = True
+            at = after_forward
+            if it == 0:
+                _check_outputs(plan, outputs, engine)
+                plan.output_meta = tuple((_schedule.tensor_signature(o), bool(o.requires_grad)) for o in outputs)
+            mask = tuple(o.requires_grad for o in outputs)
+            if any(mask):
+                grad_outputs = _warmup_grad_outputs(plan, outputs, mask, True)
+                torch.autograd.grad(
+                    outputs=tuple(o for o, m in zip(outputs, mask) if m),
+                    inputs=inputs,
+                    grad_outputs=tuple(g for g in grad_outputs if g is not None),
+                    only_inputs=True,
+                    allow_unused=allow_unused_input,
+                )
+                del grad_outputs
+                at = marker()
+                if at != after_forward:
+                    plan.bwd_rng = True
+            del outputs  # released before the next forward, as torch's warmup does
 
 
 def _warmup_schedule(plans: Sequence[_Plan], sched: _schedule.Schedule, engine: Engine, iters: int,
@@ -1016,21 +1098,25 @@ def _capture_forward(plan: _Plan, engine: Engine, pool: Hashable) -> tuple[Tenso
     return tuple(outputs)  # type: ignore[arg-type]  # a forward body returns only tensors
 
 
-def _grad_output_buffer(plan: _Plan, k: int, o: Tensor) -> Tensor:
+def _grad_output_buffer(plan: _Plan, k: int, o: Tensor, engine: Engine) -> Tensor:
     """The static buffer output ``k``'s incoming grad is copied into: its shared slot (buffer
-    reuse) when the planned signature still matches, else a new zeroed tensor."""
+    reuse) when the planned signature still matches, else a new tensor -- uninitialised on the
+    CUDA engine, as in torch and TransformerEngine (every backward replay copies the incoming
+    grad into it first, autograd materializing a missing grad as zeros, and a graph capture
+    computes no values), zeros on the eager engine, whose capture does run the backward (NaNs
+    from uninitialised memory would trip anomaly detection)."""
     slots = plan.grad_output_slots
     slot = slots[k] if k < len(slots) else None
     if slot is not None and _schedule.tensor_signature(slot) == _schedule.tensor_signature(o):
         return slot
-    return torch.zeros_like(o)
+    return torch.empty_like(o) if isinstance(engine, CudaEngine) else torch.zeros_like(o)
 
 
 def _capture_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine, pool: Hashable,
                       allow_unused_input: bool, retain_graph: bool = False,
                       hooks: _schedule.CaptureTimeHooks = _NO_HOOKS, func: Any = None) -> None:
     mask = tuple(bool(o.requires_grad) for o in outputs)
-    static_grad_outputs = tuple(_grad_output_buffer(plan, k, o) if rg else None
+    static_grad_outputs = tuple(_grad_output_buffer(plan, k, o, engine) if rg else None
                                 for k, (o, rg) in enumerate(zip(outputs, mask)))
     grad_inputs: tuple[Tensor | None, ...] | None = None
     if any(mask):
@@ -1485,7 +1571,7 @@ def make_graphed_callables(
         for plan in plans:
             current = plan
             eng.seal(plan.pass_id)
-        eng.synchronize()  # uploads and captures complete before the first replay
+        eng.synchronize()  # captures complete before the first replay
         if build.debug_replay_order:
             _observe.enable_replay_order_check([plan.pass_id for plan in plans])
     except BaseException as e:

@@ -129,6 +129,8 @@ class BuildSummary:
     engine: str
     seconds: float
     captures: int
+    warmup_seconds: float
+    """Part of ``seconds`` spent in warmup (the captures' part is in the passes' records)."""
     warmup: WarmupPeak | None
     """Warmup memory peak (CUDA); None on the eager engine."""
     debug_replay_order: bool
@@ -371,7 +373,7 @@ def memory_report(graphed: Any) -> MemoryReport:
     )
     summaries = [
         BuildSummary(build=b.id, engine=b.engine, seconds=b.seconds, captures=len(b.captures),
-                     warmup=b.warmup, debug_replay_order=b.debug_replay_order)
+                     warmup_seconds=b.warmup_seconds, warmup=b.warmup, debug_replay_order=b.debug_replay_order)
         for b in builds.values()
     ]
     return MemoryReport(passes=passes, pools=list(pools.values()), shared=shared, builds=summaries,
@@ -443,6 +445,7 @@ def _format(r: MemoryReport) -> str:
             peak = (f"warmup peak {fmt_bytes(w.peak_bytes)} allocated, {fmt_bytes(w.delta_bytes)} above the "
                     f"{fmt_bytes(w.baseline_bytes)} before warmup"
                     + ("" if w.exact else " (upper bound: the device's earlier peak was higher)"))
-        out.append(f"build {b.build} ({b.engine}, {b.captures} capture(s), {b.seconds * 1e3:.1f} ms): {peak}"
+        out.append(f"build {b.build} ({b.engine}, {b.captures} capture(s), {b.seconds * 1e3:.1f} ms, warmup "
+                   f"{b.warmup_seconds * 1e3:.1f} ms): {peak}"
                    + ("; replay-order guard on" if b.debug_replay_order else ""))
     return "\n".join(out)
