@@ -28,6 +28,7 @@ the core's schedule -- the default one (fwd 0..n-1, bwd n-1..0) or the expansion
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import weakref
@@ -79,6 +80,12 @@ class StaticInputMismatchError(ValueError, RuntimeError):
 # Capture bodies: explicit objects, not closures
 # ---------------------------------------------------------------------------------------------
 _LEAF_SPEC = pytree.tree_flatten(0)[1]  # the treespec of a lone leaf (a callable returning one Tensor)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_tuple_spec(n: int) -> pytree.TreeSpec:
+    """The treespec of a flat tuple of ``n`` leaves (args passed as plain tensors)."""
+    return pytree.tree_flatten((0,) * n)[1]
 
 
 class _ForwardBody:
@@ -272,7 +279,7 @@ class GraphedCallable:
         # The args' pytree structure. When the sample args are a flat tuple of tensors the call's
         # positional args are the leaves and no structure needs comparing (_flat_args).
         self._args_spec = args_spec
-        self._flat_args = args_spec is not None and args_spec == pytree.tree_flatten((0,) * args_spec.num_leaves)[1]
+        self._flat_args = args_spec is not None and args_spec == _flat_tuple_spec(args_spec.num_leaves)
         # Args whose sample did not require grad: with a backward graph, a call passing one that
         # does would silently lose its grad, so that is refused.
         self._nograd_args: tuple[int, ...] = tuple(
@@ -666,6 +673,7 @@ class _Plan:
     wgrad_body: _schedule.WgradBody | None = None
     output_meta: tuple[tuple[tuple[Any, ...], bool], ...] = ()  # per output (signature, requires_grad)
     grad_output_slots: tuple[Tensor | None, ...] = ()  # shared grad-output buffers (buffer reuse)
+    args_spec: pytree.TreeSpec | None = None  # the pytree structure of sample_args
     wgrad_candidates: tuple[Any, ...] | None = None  # _schedule.wgrad_candidates of the callable
     warmup_grad_outputs: tuple[Tensor | None, ...] | None = None  # reused across warmup iterations
 
@@ -1405,7 +1413,8 @@ def make_graphed_callables(
         c = callables_t[ci]
         if not isinstance(args, tuple):
             args = (args,) if isinstance(args, Tensor) else tuple(args)
-        flat_pos = tuple(pytree.arg_tree_leaves(*args))
+        pos_leaves, args_spec = pytree.tree_flatten(args)
+        flat_pos = tuple(pos_leaves)
         keys = tuple(kwargs)
         flat_kw = tuple(pytree.tree_leaves([kwargs[k] for k in keys]))
         flat = flat_pos + flat_kw
@@ -1442,6 +1451,7 @@ def make_graphed_callables(
                 body=_ForwardBody(fn, c if is_method else None, label),
                 original_forward=fn, original_forward_is_method=is_method,
                 callable_index=ci, sample_kwargs=kwargs, kwargs_keys=keys, flat_pos=flat_pos, te_grads=ordered,
+                args_spec=args_spec,
             )
         else:
             plan = _Plan(
@@ -1449,6 +1459,7 @@ def make_graphed_callables(
                 training=None, grad_enabled=training if ordered else torch.is_grad_enabled(),
                 body=_ForwardBody(c, None, label),
                 callable_index=ci, sample_kwargs=kwargs, kwargs_keys=keys, flat_pos=flat_pos, te_grads=ordered,
+                args_spec=args_spec,
             )
         plans.append(plan)
 
@@ -1616,7 +1627,7 @@ def make_graphed_callables(
             training=plan.training,
             original_forward=plan.original_forward,
             original_forward_is_method=plan.original_forward_is_method,
-            args_spec=pytree.tree_flatten(plan.sample_args)[1],
+            args_spec=plan.args_spec,
             kwargs_keys=plan.kwargs_keys,
             kwargs_spec=pytree.tree_flatten([plan.sample_kwargs[k] for k in plan.kwargs_keys])[1]
             if plan.kwargs_keys else None,
@@ -1635,8 +1646,9 @@ def make_graphed_callables(
             # With _order a module runs in several passes: each pass is its own callable
             # (TransformerEngine returns them in pass order) and the module keeps its forward.
             ret.append(graphed)
-        log.debug("gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
-                  plan.index, plan.label, plan.pass_id, eng.name, plan.has_backward)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
+                      plan.index, plan.label, plan.pass_id, eng.name, plan.has_backward)
 
     if just_one_callable:
         return ret[0]
