@@ -109,3 +109,93 @@ def test_graphed_call_under_vmap_takes_torch_path_and_refuses():
     with pytest.raises(RuntimeError, match="setup_context|functorch"):
         torch.func.vmap(model)(torch.randn(3, 4, 8))
     model.reset()
+
+
+# -- the build's backward calls (graphs._autograd_grad) ------------------------------------------
+class _Subclass(torch.Tensor):
+    """A tensor subclass: it carries torch's default __torch_function__, so it is dispatchable."""
+
+
+class _RecordingMode(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def small_graph():
+    """outputs (y,) of x -> tanh(x @ w) with an unused parameter u, and a grad buffer like y."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 2, requires_grad=True)
+    u = torch.randn(2, requires_grad=True)
+
+    def build():
+        y = torch.tanh(x @ w)
+        return (y,), torch.randn_like(y)
+    return build, x, w, u
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_build_backward_equals_torch_autograd_grad(small_graph, retain_graph):
+    from gograph import graphs
+    build, x, w, u = small_graph
+    outs, g = build()
+    expected = torch.autograd.grad(outs, (x, w, u), (g,), allow_unused=True, retain_graph=True)
+    got = graphs._autograd_grad(outs, (x, w, u), (g,), True, retain_graph)
+    assert got[2] is None and expected[2] is None
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], expected[:2]))
+    if retain_graph:  # the graph is still there for a second backward
+        assert torch.equal(graphs._autograd_grad(outs, (x,), (g,), False)[0], expected[0])
+    else:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            graphs._autograd_grad(outs, (x,), (g,), False)
+
+
+def test_build_backward_raises_torchs_errors(small_graph):
+    from gograph import graphs
+    build, x, w, u = small_graph
+    outs, g = build()
+    with pytest.raises(RuntimeError) as torch_error:
+        torch.autograd.grad(outs, (x, u), (g,), retain_graph=True)
+    with pytest.raises(RuntimeError) as ours:
+        graphs._autograd_grad(outs, (x, u), (g,), False, True)
+    assert str(ours.value) == str(torch_error.value)
+    assert "appears to not have been used in the graph" in str(ours.value)
+
+
+@pytest.mark.parametrize("case", ["plain", "subclass", "mode", "autograd-debug-log"])
+def test_build_backward_takes_torch_autograd_grad_unless_plain(small_graph, monkeypatch, case):
+    """The engine is called directly only for plain tensors without torch function modes and with
+    autograd's debug logging off; everything else keeps torch.autograd.grad's dispatch."""
+    import logging
+
+    from gograph import graphs
+    build, x, w, u = small_graph
+    engine_calls = []
+    real = graphs._run_backward
+
+    def counting(*args, **kwargs):
+        engine_calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(graphs, "_run_backward", counting)
+    outs, g = build()
+    inputs = (x, w)
+    mode = _RecordingMode() if case == "mode" else None
+    if case == "subclass":
+        g = g.as_subclass(_Subclass)
+    if case == "autograd-debug-log":
+        monkeypatch.setattr(logging.getLogger("torch.autograd.graph"), "level", logging.DEBUG)
+    expected = torch.autograd.grad(outs, inputs, (g,), retain_graph=True)
+    if mode is not None:
+        with mode:
+            got = graphs._autograd_grad(outs, inputs, (g,), False)
+        assert mode.calls > 0  # the mode saw torch.autograd.grad
+    else:
+        got = graphs._autograd_grad(outs, inputs, (g,), False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert (len(engine_calls) == 1) == (case == "plain")

@@ -81,6 +81,34 @@ class StaticInputMismatchError(ValueError, RuntimeError):
 # ---------------------------------------------------------------------------------------------
 _LEAF_SPEC = pytree.tree_flatten(0)[1]  # the treespec of a lone leaf (a callable returning one Tensor)
 
+# autograd's engine entry point, as torch.autograd.grad calls it (stable signature since torch 1.8:
+# tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad).
+_run_backward: Callable[..., tuple[Tensor | None, ...]] | None = getattr(
+    getattr(torch.autograd.Variable, "_execution_engine", None), "run_backward", None)
+_autograd_log = logging.getLogger("torch.autograd.graph")
+
+
+def _autograd_grad(outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], grad_outputs: tuple[Tensor, ...],
+                   allow_unused: bool, retain_graph: bool = False) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, only_inputs=True, allow_unused=...,
+    retain_graph=...)`` for the warmup and capture backwards, whose ``grad_outputs`` are buffers
+    made like the outputs (same shape, dtype and device).
+
+    For plain tensors (no ``__torch_function__`` override or mode active) with autograd's debug
+    logging off, torch.autograd.grad only normalizes and validates its arguments before calling
+    autograd's engine; that Python layer was a fifth of a small layer's warmup iteration (an A/B
+    against torch's own warmup loop, CPU), so the engine is called directly. Anything else --
+    tensor subclasses, torch function modes, autograd's logging -- goes through
+    torch.autograd.grad. The engine raises the same errors (an unused input without
+    ``allow_unused``, an output that does not require grad)."""
+    if (_run_backward is not None and len(outputs) == len(grad_outputs)
+            and not torch._C._has_torch_function(outputs + inputs + grad_outputs)
+            and _autograd_log.getEffectiveLevel() > logging.DEBUG):
+        return tuple(_run_backward(outputs, grad_outputs, retain_graph, False, inputs, allow_unused,
+                                   accumulate_grad=False))
+    return tuple(torch.autograd.grad(outputs=outputs, inputs=inputs, grad_outputs=grad_outputs, only_inputs=True,
+                                     allow_unused=allow_unused, retain_graph=retain_graph or None))
+
 
 @functools.lru_cache(maxsize=64)
 def _flat_tuple_spec(n: int) -> pytree.TreeSpec:
@@ -154,14 +182,7 @@ class _BackwardBody:
 
     def __call__(self, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
         outs = tuple(o for o, m in zip(outputs, self.output_mask) if m)
-        return tuple(torch.autograd.grad(
-            outputs=outs,
-            inputs=self.inputs,
-            grad_outputs=self.grad_outputs,
-            only_inputs=True,
-            allow_unused=self.allow_unused,
-            retain_graph=self.retain_graph or None,
-        ))
+        return _autograd_grad(outs, self.inputs, self.grad_outputs, self.allow_unused, self.retain_graph)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -922,13 +943,9 @@ def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
     hooks.backward_pre(plan.callable_index, func, grad_outputs)
     inputs = plan.grad_surface
     before = engine.rng_marker()
-    grads = torch.autograd.grad(
-        outputs=tuple(o for o, m in zip(outputs, mask) if m),
-        inputs=inputs,
-        grad_outputs=tuple(g for g in grad_outputs if g is not None),
-        only_inputs=True,
-        allow_unused=True if plan.te_grads else allow_unused_input,
-    )
+    grads = _autograd_grad(tuple(o for o, m in zip(outputs, mask) if m), inputs,
+                           tuple(g for g in grad_outputs if g is not None),
+                           True if plan.te_grads else allow_unused_input)
     plan.bwd_rng = bool(plan.bwd_rng) or before != engine.rng_marker()
     hooks.backward(plan.callable_index, func, grads, grad_outputs)
     if not plan.te_grads:
@@ -1052,13 +1069,8 @@ def _warmup_plain(plan: _Plan, engine: Engine, iters: int, allow_unused_input: b
             mask = tuple(o.requires_grad for o in outputs)
             if any(mask):
                 grad_outputs = _warmup_grad_outputs(plan, outputs, mask, True)
-                torch.autograd.grad(
-                    outputs=tuple(o for o, m in zip(outputs, mask) if m),
-                    inputs=inputs,
-                    grad_outputs=tuple(g for g in grad_outputs if g is not None),
-                    only_inputs=True,
-                    allow_unused=allow_unused_input,
-                )
+                _autograd_grad(tuple(o for o, m in zip(outputs, mask) if m), inputs,
+                               tuple(g for g in grad_outputs if g is not None), allow_unused_input)
                 del grad_outputs
                 at = marker()
                 if at != after_forward:
