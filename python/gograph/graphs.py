@@ -930,16 +930,14 @@ def _warmup_forward(plan: _Plan, engine: Engine, hooks: _schedule.CaptureTimeHoo
 
 
 def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
-                     hooks: _schedule.CaptureTimeHooks, func: Any, allow_unused_input: bool, it: int,
-                     reuse_grad_outputs: bool = False) -> None:
-    """One warmup backward of ``plan``. Under TransformerEngine's rules (``plan.te_grads``), a
-    sample arg without grad is an error unless ``allow_unused_input``, and parameters that get no
-    grad in the first iteration leave the static input surface. ``reuse_grad_outputs``: see
-    :func:`_warmup_grad_outputs` (only where the caller drops them after the plan's warmup)."""
+                     hooks: _schedule.CaptureTimeHooks, func: Any, allow_unused_input: bool, it: int) -> None:
+    """One warmup backward of ``plan`` in a schedule step (capture-time hooks around it), with
+    TransformerEngine's grad rules when ``plan.te_grads`` (:func:`_apply_te_grad_rules`). Its
+    zero grads are fresh: other passes' steps run before this plan's next iteration."""
     mask = tuple(bool(o.requires_grad) for o in outputs)
     if not any(mask):
         return
-    grad_outputs = _warmup_grad_outputs(plan, outputs, mask, reuse_grad_outputs and hooks.hooks is None)
+    grad_outputs = _warmup_grad_outputs(plan, outputs, mask, False)
     hooks.backward_pre(plan.callable_index, func, grad_outputs)
     inputs = plan.grad_surface
     before = engine.rng_marker()
@@ -948,8 +946,15 @@ def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
                            True if plan.te_grads else allow_unused_input)
     plan.bwd_rng = bool(plan.bwd_rng) or before != engine.rng_marker()
     hooks.backward(plan.callable_index, func, grads, grad_outputs)
-    if not plan.te_grads:
-        return
+    if plan.te_grads:
+        _apply_te_grad_rules(plan, inputs, grads, allow_unused_input, it)
+
+
+def _apply_te_grad_rules(plan: _Plan, inputs: tuple[Tensor, ...], grads: tuple[Tensor | None, ...],
+                         allow_unused_input: bool, it: int) -> None:
+    """TransformerEngine's rules after a warmup backward (``plan.te_grads``): a sample arg that
+    got no grad is an error unless ``allow_unused_input``; parameters that got none in the first
+    iteration leave the static input surface (and may not appear later)."""
     n_user = sum(1 for t in plan.flat_args if t.requires_grad)
     kept = []
     for k, g in enumerate(grads):
@@ -969,10 +974,10 @@ def _warmup_backward(plan: _Plan, outputs: tuple[Tensor, ...], engine: Engine,
 def _warmup_grad_outputs(plan: _Plan, outputs: tuple[Tensor, ...], mask: tuple[bool, ...],
                          reuse: bool) -> tuple[Tensor | None, ...]:
     """Zero incoming grads for a warmup backward (zeros, not torch's empty_like: uninitialised
-    memory can hold NaNs that anomaly detection or a hook would trip on). With ``reuse``, the
-    buffers of the plan's previous warmup iteration serve again when they still match (autograd
-    only reads them; capture-time hooks could write them, hence no reuse with hooks); the
-    caller drops them after the plan's last iteration."""
+    memory can hold NaNs that anomaly detection or a hook would trip on). With ``reuse`` (the
+    per-callable loop of :func:`_warmup`, which has no capture-time hooks that could write them),
+    the buffers of the plan's previous warmup iteration serve again when they still match
+    (autograd only reads them); the caller drops them after the plan's last iteration."""
     prev = plan.warmup_grad_outputs if reuse else None
     if prev is not None and len(prev) == len(outputs) and all(
             (p is None) == (not m) and (p is None or (p.shape == o.shape and p.dtype == o.dtype
@@ -1020,62 +1025,63 @@ _NO_HOOKS = _schedule.CaptureTimeHooks(None)
 
 def _warmup(plan: _Plan, engine: Engine, iters: int, allow_unused_input: bool, func: Any = None) -> None:
     """torch's warmup: ``iters`` forward+backward iterations of one callable (and its delayed
-    weight-gradient work, when it has some)."""
+    weight-gradient work, when it has some) -- what :func:`_warmup_forward` and
+    :func:`_warmup_backward` do per schedule step, as one loop: it runs ``num_warmup_iters`` times
+    per callable, and for small layers its per-iteration Python was a tenth of graphing time on
+    the H200. So generator offsets are read once between steps instead of around each, the output
+    checks run on the first iteration (the capture checks again), the grad surface is taken once
+    unless TransformerEngine's rules may shrink it, and the zero grads are reused."""
     if iters <= 0:
         plan.fwd_rng = plan.bwd_rng = plan.dw_rng = None  # unknown: captures carry RNG state to be safe
         return
     plan.fwd_rng = plan.bwd_rng = plan.dw_rng = False
     if plan.wgrad_candidates is None:  # the module tree is fixed while graphing: look once
         plan.wgrad_candidates = _schedule.wgrad_candidates(func)
+    candidates = plan.wgrad_candidates
+    marker = engine.rng_marker
+    body, args, kwargs = plan.body, plan.sample_args, plan.sample_kwargs
+    inputs = plan.grad_surface
     try:
-        if plan.wgrad_candidates or plan.te_grads:
-            # Delayed weight gradients or TransformerEngine's grad rules: the general steps.
+        with (contextlib.nullcontext() if torch.is_grad_enabled() == plan.grad_enabled
+              else torch.set_grad_enabled(plan.grad_enabled)):
+            at = marker()
             for it in range(iters):
-                outputs = _warmup_forward(plan, engine, _NO_HOOKS, func)
-                _warmup_backward(plan, outputs, engine, _NO_HOOKS, func, allow_unused_input, it,
-                                 reuse_grad_outputs=True)
-                del outputs
+                if candidates:
+                    with _schedule.discover_wgrad_modules(func, plan.wgrad_modules, candidates):
+                        outputs = body(*args, **kwargs)
+                else:
+                    outputs = body(*args, **kwargs)
+                after_forward = marker()
+                if after_forward != at:
+                    plan.fwd_rng = True
+                at = after_forward
+                if it == 0:
+                    _check_outputs(plan, outputs, engine)
+                    plan.output_meta = tuple((_schedule.tensor_signature(o), bool(o.requires_grad))
+                                             for o in outputs)
+                if plan.wgrad_modules:
+                    plan.te_grads = True  # its weights get their grads from backward_dw, not the backward
+                mask = tuple(o.requires_grad for o in outputs)
+                if any(mask):
+                    if plan.te_grads:
+                        inputs = plan.grad_surface  # the first iteration may have dropped parameters
+                    grad_outputs = _warmup_grad_outputs(plan, outputs, mask, True)
+                    grads = _autograd_grad(tuple(o for o, m in zip(outputs, mask) if m), inputs,
+                                           tuple(g for g in grad_outputs if g is not None),
+                                           True if plan.te_grads else allow_unused_input)
+                    del grad_outputs
+                    at = marker()
+                    if at != after_forward:
+                        plan.bwd_rng = True
+                    if plan.te_grads:
+                        _apply_te_grad_rules(plan, inputs, grads, allow_unused_input, it)
+                    del grads
+                del outputs  # released before the next forward, as torch's warmup does
                 if plan.wgrad_modules:
                     _warmup_dw(plan, engine, _schedule.BACKWARD_STEP, None, it)
-        else:
-            _warmup_plain(plan, engine, iters, allow_unused_input)
+                    at = marker()  # _warmup_dw accounts for its own generator use
     finally:
         plan.warmup_grad_outputs = None  # one plan's grad buffers alive at a time, as without reuse
-
-
-def _warmup_plain(plan: _Plan, engine: Engine, iters: int, allow_unused_input: bool) -> None:
-    """The same iterations as :func:`_warmup_forward` + :func:`_warmup_backward`, for a plan
-    without capture-time hooks, delayed weight gradients or TransformerEngine's grad rules --
-    the common case, and the one where per-iteration Python overhead shows (it runs
-    ``num_warmup_iters`` times per callable; for small layers it was a tenth of graphing time on
-    the H200). Generator offsets are read once between steps instead of around each, the output
-    checks run on the first iteration (the capture checks again), the grad surface is taken
-    once (nothing changes it here) and the zero grads are reused."""
-    marker = engine.rng_marker
-    inputs = plan.grad_surface
-    body, args, kwargs = plan.body, plan.sample_args, plan.sample_kwargs
-    with (contextlib.nullcontext() if torch.is_grad_enabled() == plan.grad_enabled
-          else torch.set_grad_enabled(plan.grad_enabled)):
-        at = marker()
-        for it in range(iters):
-            outputs = body(*args, **kwargs)
-            after_forward = marker()
-            if after_forward != at:
-                plan.fwd_rng = True
-            at = after_forward
-            if it == 0:
-                _check_outputs(plan, outputs, engine)
-                plan.output_meta = tuple((_schedule.tensor_signature(o), bool(o.requires_grad)) for o in outputs)
-            mask = tuple(o.requires_grad for o in outputs)
-            if any(mask):
-                grad_outputs = _warmup_grad_outputs(plan, outputs, mask, True)
-                _autograd_grad(tuple(o for o, m in zip(outputs, mask) if m), inputs,
-                               tuple(g for g in grad_outputs if g is not None), allow_unused_input)
-                del grad_outputs
-                at = marker()
-                if at != after_forward:
-                    plan.bwd_rng = True
-            del outputs  # released before the next forward, as torch's warmup does
 
 
 def _warmup_schedule(plans: Sequence[_Plan], sched: _schedule.Schedule, engine: Engine, iters: int,
