@@ -247,6 +247,7 @@ def profile(w: Workload, warmup_iters: int, top: int, dump_dir: str = "") -> str
         pr = cProfile.Profile()
         s, _ = one_graphing(w, maker, warmup_iters, pr)
         if dump_dir:
+            os.makedirs(dump_dir, exist_ok=True)
             pr.dump_stats(os.path.join(dump_dir, f"capture-{w.name}-{maker}.prof"))
         print(f"--- {w.name} {maker}: {s:.3f} s under cProfile; top {top} by own time", file=out)
         pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
