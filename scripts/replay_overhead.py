@@ -94,6 +94,13 @@ def main() -> int:
     if torch.cuda.is_available() and gograph.cuda_available():
         devices.append("cuda")
     results: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if "cuda" in devices:
+        # The CUDA engine's replay asks torch whether the current stream is capturing (to refuse a
+        # replay inside torch.cuda.graph): one C call per replayed graph.
+        is_capturing = torch._C._cuda_isCurrentStreamCapturing
+        results["cuda/capture_status_check_ns"] = _best_ns(is_capturing, opts.number)
+        print(f"cuda  capture-status check (torch._C._cuda_isCurrentStreamCapturing): "
+              f"{results['cuda/capture_status_check_ns']:.0f} ns per replay")
     for device in devices:
         for n in (1, 2, 4):
             r = measure(device, n, opts.number)
