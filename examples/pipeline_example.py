@@ -237,13 +237,17 @@ def main() -> None:
     print(gograph.memory_report(graphed))
 
     # Teardown: reset every graphed callable (each releases exactly its graphs and pool share).
+    held = torch.cuda.memory_allocated(device) if use_cuda else 0
     for g in graphed:
         g.reset()
     del graphed
     gc.collect()
     left = gograph.live_graphs() - base_graphs
+    # What stays allocated is the model, its eager twin, their grads and the last step's data.
     print(f"\nafter reset(): {left} graphs left in the core"
-          + (f", {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB allocated on the device" if use_cuda else ""))
+          + (f", reset() returned {(held - torch.cuda.memory_allocated(device)) / 2**20:.1f} MiB of "
+             f"graph memory, {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB still allocated "
+             "(models, grads, data)" if use_cuda else ""))
     if left:
         raise SystemExit("graphs leaked")
 
