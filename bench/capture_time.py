@@ -162,7 +162,7 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
     """Median seconds per graphing spent in the main phases of each maker: with ``detail``,
     inside many functions (which slows the graphings down a little); without, only a timeline
     of phase boundaries and the garbage collector's pauses."""
-    from gograph import _native, _observe, _schedule, engines, graphs
+    from gograph import _args, _build, _captures, _core, _observe, _plan, _warmup, engines, graphed
 
     out = []
     for maker in MAKERS:
@@ -179,18 +179,18 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
             clock.mark(torch.cuda.graph, "__enter__", "first capture")
             clock.mark(torch.cuda.graph, "__exit__", "last capture ends", last_return=True)
         else:
-            for owner, attr in ((graphs, "_warmup"), (graphs, "_validate_callables"), (graphs, "_check_devices"),
-                                (graphs, "_capture_forward"), (graphs, "_capture_backward"),
-                                (graphs.GraphedCallable, "__init__"), (_schedule, "plan_schedule"),
+            for owner, attr in ((_build.Build, "_warmup"), (_args, "normalize"), (_args, "check_for_engine"),
+                                (_build.Build, "_plan"), (_captures, "capture_forward"), (_captures, "capture_backward"),
+                                (_warmup, "warm_forward"), (_warmup, "warm_backward"),
+                                (graphed.GraphedCallable, "__init__"), (_plan, "plan_schedule"),
                                 (engines.Engine, "capture"), (engines.Engine, "new_pass"),
-                                (engines.Engine, "seal"), (engines.CudaEngine, "_capture_gc_off"),
+                                (engines.Engine, "seal"), (engines.CudaEngine, "_transaction"),
                                 (engines.CudaEngine, "get_rng_state"), (engines.CudaEngine, "set_rng_state"),
                                 (engines.CudaEngine, "memory_allocated"), (_observe.BuildStats, "begin"),
                                 (_observe.BuildStats, "close"), (_observe.CaptureProbe, "finished")):
                 clock.wrap(owner, attr)
-            for attr in ("upload_graph", "end_capture", "begin_capture", "attach_graph", "add_pool_ref",
-                         "record_capture"):
-                clock.wrap(_native.core, attr, f"core.{attr}")
+            for attr in ("begin_pass_capture", "end_pass_capture", "plan_warmup", "plan_capture", "new_pass"):
+                clock.wrap(_core, attr, f"core.{attr}")
             for attr, name in (("warmup_started", "warmup starts"), ("warmup_finished", "warmup ends"),
                                ("close", "build closes")):
                 clock.mark(_observe.BuildStats, attr, name)

@@ -1,7 +1,7 @@
 """Benchmark: one pipeline rank of Megatron-LM's interleaved 1F1B schedule, graphed by gograph.
 
 Rank 0 of 4 pipeline stages, 4 virtual chunks x 2 layers, 8 microbatches: Megatron's interleaved
-order for that rank (``gograph._schedule.megatron_order``: 18 warmup forwards, 1F1B, 18 cooldown
+order for that rank (``gograph.gograph.megatron_order``: 18 warmup forwards, 1F1B, 18 cooldown
 backwards), 64 forward passes, each a graphed callable (TransformerEngine's ``_order``
 indexing). Each layer is ``x + fc2(gelu(fc1(layernorm(x))))``, hidden 1024 (fc1 to 4x), 4096
 rows, bf16; every sample input requires grad. A chunk's two layers are chained; each chunk's
@@ -35,7 +35,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph  # noqa: E402
-from gograph import _schedule  # noqa: E402
 
 MiB = 2**20
 
@@ -65,7 +64,7 @@ class Config:
             self.hidden, self.ffn, self.rows = args.hidden, 4 * args.hidden, args.rows
             self.dtype, self.device = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
             self.iters, self.warmup_iters = args.iters, args.warmup_iters
-        self.order = _schedule.megatron_order(self.stages, self.rank, self.chunks, self.micro)
+        self.order = gograph.megatron_order(self.stages, self.rank, self.chunks, self.micro)
         self.passes = self.chunks * self.layers * self.micro
 
     def as_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import (
 const noCUDA = "gograph core was built without CUDA support (cpu flavor)"
 
 func TestBuildInfo(t *testing.T) {
-	if v := CoreVersion(); v != "0.1.0" {
+	if v := CoreVersion(); v != "0.2.0" {
 		t.Errorf("CoreVersion = %q", v)
 	}
 	if f := Flavor(); f != "cpu" {
@@ -76,16 +76,19 @@ func TestEagerPassLifecycle(t *testing.T) {
 	if err != nil || p <= 0 {
 		t.Fatalf("NewPass = %d, %v", p, err)
 	}
-	for _, step := range []error{
-		errOf(AttachGraph(p, 0, 0)),
-		errOf(AttachGraph(p, 1, 0)),
-		errOf(AddPoolRef(p)),
-		errOf(AddPoolRef(p)),
-		errOf(SealPass(p)),
-	} {
-		if step != nil {
-			t.Fatal(step)
+	for kind := 0; kind < 2; kind++ { // the capture transaction, eager: stream 0
+		if _, err := BeginPassCapture(p, kind, "eager/1", 0, 0); err != nil {
+			t.Fatal(err)
 		}
+		if seq, err := EndPassCapture(p, kind, 0); seq != kind+1 || err != nil {
+			t.Fatalf("EndPassCapture = %d, %v", seq, err)
+		}
+	}
+	if n := PoolRefs("eager/1"); n != 2 {
+		t.Fatalf("PoolRefs = %d, want 2", n)
+	}
+	if _, err := SealPass(p); err != nil {
+		t.Fatal(err)
 	}
 	for _, k := range []int{0, 1} {
 		if launched, err := Replay(p, k, 0); launched || err != nil { // eager: nothing to launch
@@ -104,8 +107,11 @@ func TestEagerPassLifecycle(t *testing.T) {
 	if n := LivePasses(); n != before+1 {
 		t.Fatalf("LivePasses = %d, want %d", n, before+1)
 	}
-	if refs, err := ResetPass(p); refs != 2 || err != nil {
-		t.Fatalf("ResetPass = %d, %v", refs, err)
+	if refs, err := ResetPass(p); refs != 2 || err != nil || PoolRefs("eager/1") != 0 {
+		t.Fatalf("ResetPass = %d, %v (pool left %d)", refs, err, PoolRefs("eager/1"))
+	}
+	if msg, err := PassResetError(p); msg != "" || err != nil {
+		t.Fatalf("PassResetError = %q, %v", msg, err)
 	}
 	if refs, err := ResetPass(p); refs != 0 || err != nil {
 		t.Fatalf("second ResetPass = %d, %v", refs, err)
@@ -137,8 +143,15 @@ func TestPassErrors(t *testing.T) {
 	if _, err := Replay(p, 0, 0); err == nil || err.Error() != `graphed callable 0 ("fc") is still being captured` {
 		t.Fatalf("Replay while building: %v", err)
 	}
-	if _, err := AttachGraph(p, 5, 0); err == nil || !strings.Contains(err.Error(), "unknown graph kind 5") {
-		t.Fatalf("AttachGraph(kind 5): %v", err)
+	if _, err := BeginPassCapture(p, 5, "x", 0, 0); err == nil || err.Error() != "begin_pass_capture: unknown graph kind 5 (want 0 forward, 1 backward or 2 wgrad)" {
+		t.Fatalf("BeginPassCapture(kind 5): %v", err)
+	}
+	if _, err := EndPassCapture(p, 0, 0); err == nil || !strings.Contains(err.Error(), "end_pass_capture: graphed callable 0 (\"fc\") has no forward capture open") {
+		t.Fatalf("EndPassCapture without begin: %v", err)
+	}
+	// In the cpu flavor a capture on a real stream fails at the driver, and changes nothing.
+	if _, err := BeginPassCapture(p, 0, "x", 0x5555, 0); err == nil || !strings.Contains(err.Error(), noCUDA) || PoolRefs("x") != 0 {
+		t.Fatalf("BeginPassCapture on a stream without CUDA: %v (pool refs %d)", err, PoolRefs("x"))
 	}
 	if _, err := SealPass(-7); err == nil || err.Error() != "unknown pass -7" {
 		t.Fatalf("SealPass(-7): %v", err)

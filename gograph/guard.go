@@ -1,21 +1,13 @@
 package gograph
 
 // The replay-order guard's exported surface: capture sequence numbers per
-// pool and the opt-in check, in Replay, that graphs sharing a pool replay in
-// an order that cannot overwrite memory another pass still needs. The rule is
+// pool (given by EndPassCapture) and the opt-in check, in Replay, that graphs
+// sharing a pool replay in an order that cannot overwrite memory another pass
+// still needs. The rule is
 // documented in internal/state/order.go and docs/DESIGN.md; the contract in
 // docs/CORE_API.md.
 
 import "github.com/gograph/gograph/internal/state"
-
-// RecordCapture records that pass's kind was just captured in the memory pool
-// named pool (any key that is equal for captures sharing a pool) and returns
-// its capture sequence number in that pool, from 1. Once per capture, while
-// the pass is building.
-func RecordCapture(pass int64, kind int, pool string) (seq int, err error) {
-	defer recoverPanic("record_capture", &err)
-	return passes.RecordCapture(pass, state.Kind(kind), pool)
-}
 
 // CaptureSeq returns the capture sequence number of pass's kind in its pool
 // (0 when that kind's capture was not recorded).

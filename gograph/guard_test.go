@@ -17,11 +17,11 @@ func guardedPair(t *testing.T, pool string) (a, b int64) {
 		p    int64
 		kind int
 	}{{a, 0}, {b, 0}, {b, 1}, {a, 1}} {
-		if _, err := AttachGraph(c.p, c.kind, 0); err != nil {
+		if _, err := BeginPassCapture(c.p, c.kind, pool, 0, 0); err != nil {
 			t.Fatal(err)
 		}
-		if seq, err := RecordCapture(c.p, c.kind, pool); seq != i+1 || err != nil {
-			t.Fatalf("RecordCapture = %d, %v; want %d", seq, err, i+1)
+		if seq, err := EndPassCapture(c.p, c.kind, 0); seq != i+1 || err != nil {
+			t.Fatalf("EndPassCapture = %d, %v; want %d", seq, err, i+1)
 		}
 	}
 	for _, p := range []int64{a, b} {
@@ -87,8 +87,8 @@ func TestReplayOrderGuardErrors(t *testing.T) {
 	if _, err := SetReplayOrderCheck(p, true); err == nil || !strings.Contains(err.Error(), "no recorded capture") {
 		t.Fatalf("SetReplayOrderCheck without captures: %v", err)
 	}
-	if _, err := RecordCapture(p, 7, "x"); err == nil || !strings.Contains(err.Error(), "unknown graph kind 7") {
-		t.Fatalf("RecordCapture(kind 7): %v", err)
+	if _, err := CaptureSeq(p, 7); err == nil || !strings.Contains(err.Error(), "unknown graph kind 7") {
+		t.Fatalf("CaptureSeq(kind 7): %v", err)
 	}
 	if _, err := CaptureSeq(-3, 0); err == nil || err.Error() != "unknown pass -3" {
 		t.Fatalf("CaptureSeq(-3): %v", err)

@@ -65,15 +65,19 @@ func FuzzBoundary(f *testing.F) {
 				} else if k >= 0 {
 					t.Fatalf("new_pass(%d) failed: %v", k, err)
 				}
-			case 1:
-				_, err := AttachGraph(a, k, 0)
-				noPanic(t, "attach_graph", err)
-			case 2:
-				_, err := AttachGraph(a, k, val(i+1))
-				noPanic(t, "attach_graph", err)
+			case 1: // a whole eager capture transaction
+				_, err := BeginPassCapture(a, k, label, 0, 0)
+				noPanic(t, "begin_pass_capture", err)
+				_, err = EndPassCapture(a, k, 0)
+				noPanic(t, "end_pass_capture", err)
+			case 2: // a begin on any stream (fails without CUDA, changing nothing)
+				_, err := BeginPassCapture(a, k, label, val(i+1), k)
+				noPanic(t, "begin_pass_capture", err)
 			case 3:
-				_, err := AddPoolRef(a)
-				noPanic(t, "add_pool_ref", err)
+				_, err := AbortPassCapture(a, k, val(i+1))
+				noPanic(t, "abort_pass_capture", err)
+				_, err = PassResetError(a)
+				noPanic(t, "pass_reset_error", err)
 			case 4:
 				_, err := SealPass(a)
 				noPanic(t, "seal_pass", err)
@@ -137,6 +141,9 @@ func FuzzBoundary(f *testing.F) {
 				t.Fatalf("drop_pass(%d): %v", id, err)
 			}
 		}
+		if n := PoolRefs(label); n != 0 {
+			t.Fatalf("PoolRefs(%q) = %d after dropping every pass", label, n)
+		}
 		if n := LivePasses(); n != 0 {
 			t.Fatalf("LivePasses = %d after dropping every pass", n)
 		}
@@ -149,33 +156,46 @@ func FuzzBoundary(f *testing.F) {
 // FuzzPlanBoundary feeds arbitrary text and counts to the planning exports
 // (the parsers behind them have their own fuzz targets in internal/schedule
 // and internal/lifetime; this one holds the boundary): no call panics, every
-// error names its function, and equal inputs give equal outputs.
+// error names its function, equal inputs give equal outputs, and every plan
+// made is freed.
 func FuzzPlanBoundary(f *testing.F) {
-	f.Add("", "", 2, 2, true, 3, "i 0 a\no 0 b\n")
-	f.Add("1,2,-2,-1", "", 2, 2, true, 1, "i 0 x\ni 1 x\n")
-	f.Add("1,1,-1,-1", "*2", 2, 4, true, 0, "k 0 a b\n")
-	f.Add("1,-1.5,-1", "1,1", 2, 2, false, -1, "garbage")
-	f.Fuzz(func(t *testing.T, order, layers string, n, m int, training bool, warm int, buffers string) {
+	f.Add("", "", 2, 2, true, 3, "pass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n", byte(7))
+	f.Add("1,2,-2,-1", "", 2, 2, true, 1, "in 0 0 1 1 1\nin 1 0 1 1 1\n", byte(1))
+	f.Add("1,1,-1,-1", "*2", 2, 4, true, 0, "pass 1 1 1 0 0 0\n", byte(3))
+	f.Add("1,-1.5,-1", "1,1", 2, 2, false, -1, "garbage", byte(0))
+	f.Fuzz(func(t *testing.T, order, layers string, n, m int, training bool, warm int, facts string, flags byte) {
 		n, m = n%4096, m%4096 // keep plans small; huge counts are checked by the schedule's own tests
+		before := LivePlans()
 		plan, err := PlanSchedule(order, layers, n, m, training, warm)
 		noPanic(t, "plan_schedule", err)
-		if err != nil && !strings.HasPrefix(err.Error(), "plan_schedule: ") {
-			t.Fatalf("plan_schedule error without its name: %v", err)
-		}
-		plan2, err2 := PlanSchedule(order, layers, n, m, training, warm)
-		if plan != plan2 || (err == nil) != (err2 == nil) {
-			t.Fatal("plan_schedule is not deterministic")
-		}
-		for _, p := range []string{plan, order, buffers} {
-			out, err := PlanBuffers(p, buffers)
-			noPanic(t, "plan_buffers", err)
-			if err != nil && !strings.HasPrefix(err.Error(), "plan_buffers: ") {
-				t.Fatalf("plan_buffers error without its name: %v", err)
+		if err != nil {
+			if !strings.HasPrefix(err.Error(), "plan_schedule: ") {
+				t.Fatalf("plan_schedule error without its name: %v", err)
 			}
-			out2, _ := PlanBuffers(p, buffers)
-			if out != out2 {
-				t.Fatal("plan_buffers is not deterministic")
+			plan = int64(warm) // an arbitrary handle then
+		}
+		for _, h := range []int64{plan, plan + 1} {
+			steps, err := PlanSteps(h)
+			noPanic(t, "plan_steps", err)
+			w1, err := PlanWarmup(h, warm%8, flags&8 != 0)
+			noPanic(t, "plan_warmup", err)
+			c1, err := PlanCapture(h, facts, flags&1 != 0, flags&2 != 0, flags&4 != 0)
+			noPanic(t, "plan_capture", err)
+			if err != nil && !strings.HasPrefix(err.Error(), "plan_capture: ") {
+				t.Fatalf("plan_capture error without its name: %v", err)
 			}
+			s2, _ := PlanSteps(h)
+			w2, _ := PlanWarmup(h, warm%8, flags&8 != 0)
+			c2, _ := PlanCapture(h, facts, flags&1 != 0, flags&2 != 0, flags&4 != 0)
+			if steps != s2 || w1 != w2 || c1 != c2 {
+				t.Fatal("planning is not deterministic")
+			}
+		}
+		if _, err := FreePlan(plan); err != nil {
+			t.Fatal(err)
+		}
+		if LivePlans() != before {
+			t.Fatalf("LivePlans = %d, want %d", LivePlans(), before)
 		}
 	})
 }

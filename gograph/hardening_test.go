@@ -198,12 +198,16 @@ func (panicDriver) DeviceCount() (int, error)                           { panic(
 func (panicDriver) DeviceName(int) (string, error)                      { panic("driver boom") }
 func (panicDriver) DeviceTotalMemory(int) (int64, error)                { panic("driver boom") }
 
-// swapCore replaces the process-wide engine and ledger for one test.
+// swapCore replaces the process-wide graph registry and ledger (and, with
+// a nil registry, the plan store) for one test.
 func swapCore(t *testing.T, e *cudagraph.Registry, l *state.Ledger) {
 	t.Helper()
-	oldE, oldL := engine, passes
-	engine, passes = e, l
-	t.Cleanup(func() { engine, passes = oldE, oldL })
+	oldE, oldL, oldS := graphs, passes, store
+	graphs, passes = e, l
+	if e == nil {
+		store = nil
+	}
+	t.Cleanup(func() { graphs, passes, store = oldE, oldL, oldS })
 }
 
 // surface calls every export of gograph.go that has an error result and
@@ -225,14 +229,21 @@ func surface() map[string]error {
 	_, errs["destroy_graph"] = DestroyGraph(1)
 	_, errs["graph_node_count"] = GraphNodeCount(1)
 	_, errs["new_pass"] = NewPass(0, "x")
-	_, errs["attach_graph"] = AttachGraph(1, 0, 0)
-	_, errs["add_pool_ref"] = AddPoolRef(1)
+	_, errs["begin_pass_capture"] = BeginPassCapture(1, 0, "pool", 0, 0)
+	_, errs["end_pass_capture"] = EndPassCapture(1, 0, 0)
+	_, errs["abort_pass_capture"] = AbortPassCapture(1, 0, 0)
 	_, errs["seal_pass"] = SealPass(1)
 	_, errs["replay"] = Replay(1, 0, s)
 	_, errs["pass_state"] = PassState(1)
 	_, errs["pass_graph"] = PassGraph(1, 0)
 	_, errs["reset_pass"] = ResetPass(1)
+	_, errs["pass_reset_error"] = PassResetError(1)
 	_, errs["drop_pass"] = DropPass(1)
+	_, errs["plan_schedule"] = PlanSchedule("", "", 1, 1, true, 1)
+	_, errs["plan_steps"] = PlanSteps(1)
+	_, errs["plan_warmup"] = PlanWarmup(1, 1, false)
+	_, errs["plan_capture"] = PlanCapture(1, "", false, false, false)
+	_, errs["free_plan"] = FreePlan(1)
 	_, errs["trigger_panic_for_test"] = TriggerPanicForTest()
 	return errs
 }
@@ -259,9 +270,9 @@ func TestDriverPanicsLeaveConsistentState(t *testing.T) {
 	swapCore(t, e, l)
 	for name, err := range surface() {
 		switch {
-		case strings.HasSuffix(name, "_pass") || strings.HasPrefix(name, "pass_") || name == "attach_graph" ||
-			name == "add_pool_ref" || name == "replay":
-			// pass records (with eager graph 0) never reach the driver
+		case strings.HasSuffix(name, "_pass") || strings.HasPrefix(name, "pass_") || strings.Contains(name, "_pass_") ||
+			strings.HasPrefix(name, "plan_") || name == "free_plan" || name == "replay":
+			// pass records (eager: stream 0, graph 0) and plans never reach the driver
 		case name == "trigger_panic_for_test":
 			if err == nil || !strings.HasPrefix(err.Error(), name+": internal panic: ") {
 				t.Errorf("%s: %v", name, err)
@@ -291,10 +302,17 @@ func TestDriverPanicsLeaveConsistentState(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, step := range []error{errOf(AttachGraph(p, 0, 0)), errOf(AddPoolRef(p)), errOf(SealPass(p))} {
-		if step != nil {
-			t.Fatal(step)
-		}
+	if _, err := BeginPassCapture(p, 0, "pool", s, 0); err == nil || !strings.Contains(err.Error(), "internal panic") || PoolRefs("pool") != 0 {
+		t.Fatalf("BeginPassCapture on a panicking driver: %v (pool refs %d)", err, PoolRefs("pool"))
+	}
+	if _, err := BeginPassCapture(p, 0, "pool", 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := EndPassCapture(p, 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := SealPass(p); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := Replay(p, 0, s); err != nil {
 		t.Fatal(err)
@@ -310,31 +328,48 @@ func TestDriverPanicsLeaveConsistentState(t *testing.T) {
 	}
 }
 
-// panicGraphs is a state.Graphs that panics on launch and destroy.
-type panicGraphs struct{}
+// panicGraphs is a state.Graphs whose captures work (EndCapture hands out
+// handles from 11) but whose launch and destroy panic.
+type panicGraphs struct{ next *int64 }
 
+func (panicGraphs) BeginCapture(int64, int) error { return nil }
+func (g panicGraphs) EndCapture(int64) (int64, error) {
+	*g.next++
+	return *g.next, nil
+}
+func (panicGraphs) AbortCapture(int64) error  { return nil }
 func (panicGraphs) Launch(int64, int64) error { panic("graphs boom") }
 func (panicGraphs) Destroy(int64) error       { panic("graphs boom") }
 
 // TestGraphPanicsDuringResetReturnPoolRefs: a panic while a reset destroys
 // the pass's graphs still resets it and hands back every pool reference
-// (the caller must release them; losing them would leak the pool).
+// (the caller must release them; losing them would leak the pool), and the
+// failure is kept for PassResetError instead of swallowing the count.
 func TestGraphPanicsDuringResetReturnPoolRefs(t *testing.T) {
-	l := state.NewLedger(panicGraphs{})
-	swapCore(t, engine, l)
+	next := int64(10)
+	l := state.NewLedger(panicGraphs{&next})
+	swapCore(t, graphs, l)
 	p, _ := NewPass(2, "layer2")
-	// Through the ledger: the export only attaches handles the engine registered.
-	for _, step := range []error{l.AttachGraph(p, 0, 11), l.AttachGraph(p, 1, 12), errOf(AddPoolRef(p)), errOf(AddPoolRef(p)), errOf(SealPass(p))} {
-		if step != nil {
-			t.Fatal(step)
+	for kind := 0; kind < 2; kind++ {
+		if _, err := BeginPassCapture(p, kind, "pool", 5, 0); err != nil {
+			t.Fatal(err)
 		}
+		if _, err := EndPassCapture(p, kind, 5); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := SealPass(p); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := Replay(p, 0, 1); err == nil || !strings.Contains(err.Error(), "internal panic") {
 		t.Fatalf("Replay: %v", err)
 	}
-	refs, err := l.ResetPass(p) // through the ledger: the export would drop refs on error
-	if refs != 2 || err == nil || !strings.Contains(err.Error(), "internal panic") {
-		t.Fatalf("ResetPass = %d, %v", refs, err)
+	refs, err := ResetPass(p)
+	if refs != 2 || err != nil {
+		t.Fatalf("ResetPass = %d, %v; want the 2 refs and no exception", refs, err)
+	}
+	if msg, _ := PassResetError(p); !strings.Contains(msg, "internal panic") {
+		t.Fatalf("PassResetError = %q", msg)
 	}
 	if s, _ := PassState(p); s != "reset" {
 		t.Fatalf("state %q after a reset with panics", s)
@@ -345,32 +380,30 @@ func TestGraphPanicsDuringResetReturnPoolRefs(t *testing.T) {
 	if _, err := DropPass(p); err != nil {
 		t.Fatal(err)
 	}
-	if n := l.LivePasses(); n != 0 {
-		t.Fatalf("LivePasses = %d", n)
+	if n := l.LivePasses(); n != 0 || l.PoolRefs("pool") != 0 {
+		t.Fatalf("LivePasses = %d, pool refs %d", n, l.PoolRefs("pool"))
 	}
 }
 
-// TestAttachRefusesUnknownGraphs: a pass may own only graphs the engine
-// registered, or its reset would fail to destroy them (found by
-// FuzzBoundary; seed testdata/fuzz/FuzzBoundary/dd2eb6f5e1bc6926).
-func TestAttachRefusesUnknownGraphs(t *testing.T) {
-	p, err := NewPass(0, "fc")
-	if err != nil {
+// TestDestroyGraphRefusesPassGraphs: a graph a pass owns can only go with
+// the pass's reset; destroying it directly would leave the pass launching a
+// freed graph.
+func TestDestroyGraphRefusesPassGraphs(t *testing.T) {
+	next := int64(40)
+	l := state.NewLedger(panicGraphs{&next})
+	swapCore(t, graphs, l)
+	p, _ := NewPass(0, "fc")
+	if _, err := BeginPassCapture(p, 0, "pool", 5, 0); err != nil {
 		t.Fatal(err)
 	}
-	defer DropPass(p)
-	for _, g := range []int64{1, 99, -3} {
-		if _, err := AttachGraph(p, 0, g); err == nil {
-			t.Fatalf("AttachGraph(graph %d) succeeded", g)
-		}
-	}
-	if _, err := AttachGraph(p, 0, 99); err == nil || !strings.HasPrefix(err.Error(), "attach_graph: unknown graph handle 99") {
-		t.Fatalf("AttachGraph(99): %v", err)
-	}
-	if _, err := AttachGraph(p, 0, 0); err != nil { // eager: nothing to launch
+	if _, err := EndPassCapture(p, 0, 5); err != nil {
 		t.Fatal(err)
 	}
-	if refs, err := ResetPass(p); refs != 0 || err != nil {
-		t.Fatalf("ResetPass = %d, %v", refs, err)
+	if _, err := DestroyGraph(41); err == nil || err.Error() != "destroy_graph: graph 41 belongs to pass "+strconv.FormatInt(p, 10)+"; reset_pass destroys it" {
+		t.Fatalf("DestroyGraph(41): %v", err)
 	}
+	if _, err := DestroyGraph(99); err == nil || !strings.HasPrefix(err.Error(), "destroy_graph: unknown graph handle 99") {
+		t.Fatalf("DestroyGraph(99): %v", err)
+	}
+	l.DropPass(p)
 }

@@ -1,10 +1,11 @@
 package gograph
 
-// The planning surface: TransformerEngine's pipeline schedule (_order) and
-// buffer reuse, decided in Go once per make_graphed_callables. Plans cross
-// as compact text (gopy passes no slices or maps); their formats are in
-// docs/CORE_API.md. Validation errors contain "invalid schedule:", which
-// Python raises as ValueError.
+// Planning: TransformerEngine's pipeline schedule (_order) or the default
+// one, and the build's warmup and capture programs with every release
+// point and buffer decision (internal/lifetime). A plan stays in Go behind a
+// handle from PlanSchedule to FreePlan; Python reads what it executes, once
+// per make_graphed_callables. Formats are in docs/CORE_API.md. Validation
+// errors contain "invalid schedule:", which Python raises as ValueError.
 
 import (
 	"fmt"
@@ -13,8 +14,8 @@ import (
 	"github.com/gograph/gograph/internal/schedule"
 )
 
-// PlanSchedule validates a pipeline schedule and expands it into the
-// warmup/capture steps, returned in schedule's text form.
+// PlanSchedule validates a schedule, expands it into warmup/capture steps
+// and returns the plan's handle.
 //
 // order is _order with its entries joined by commas ("1,2,-2,-1.5"), or ""
 // for the default schedule (forwards 0..n-1, then, when training, backwards
@@ -22,56 +23,95 @@ import (
 // integer, or "L1,L2,...". numCallables and numSamples are len(callables)
 // and len(sample_args); training says whether backward steps run;
 // warmupIters is num_warmup_iters.
-func PlanSchedule(order, layers string, numCallables, numSamples int, training bool, warmupIters int) (plan string, err error) {
+func PlanSchedule(order, layers string, numCallables, numSamples int, training bool, warmupIters int) (plan int64, err error) {
 	defer recoverPanic("plan_schedule", &err)
-	var p *schedule.Plan
+	p, err := buildSchedule(order, layers, numCallables, numSamples, training, warmupIters)
+	if err != nil {
+		return 0, fmt.Errorf("plan_schedule: %w", err)
+	}
+	return store.Put(p), nil
+}
+
+func buildSchedule(order, layers string, numCallables, numSamples int, training bool, warmupIters int) (*schedule.Plan, error) {
 	if order == "" {
 		if layers != "" {
-			return "", fmt.Errorf("plan_schedule: %w: _num_layers_per_chunk needs _order", schedule.ErrInvalid)
+			return nil, fmt.Errorf("%w: _num_layers_per_chunk needs _order", schedule.ErrInvalid)
 		}
 		if numSamples != numCallables {
-			return "", fmt.Errorf("plan_schedule: %w: expected sample_args to have the same length as callables, but got %d sample_args for %d callables", schedule.ErrInvalid, numSamples, numCallables)
+			return nil, fmt.Errorf("%w: expected sample_args to have the same length as callables, but got %d sample_args for %d callables", schedule.ErrInvalid, numSamples, numCallables)
 		}
-		p, err = schedule.Default(numCallables, training)
-	} else {
-		var entries []schedule.Entry
-		entries, err = schedule.ParseOrder(order)
-		if err != nil {
-			return "", fmt.Errorf("plan_schedule: %w", err)
-		}
-		spec := schedule.Spec{Order: entries, NumCallables: numCallables, NumSamples: numSamples, Training: training, WarmupIters: warmupIters}
-		spec.Layers, spec.LayersScalar, err = schedule.ParseLayers(layers)
-		if err != nil {
-			return "", fmt.Errorf("plan_schedule: %w", err)
-		}
-		p, err = schedule.Build(spec)
+		return schedule.Default(numCallables, training)
 	}
+	entries, err := schedule.ParseOrder(order)
 	if err != nil {
-		return "", fmt.Errorf("plan_schedule: %w", err)
+		return nil, err
+	}
+	spec := schedule.Spec{Order: entries, NumCallables: numCallables, NumSamples: numSamples, Training: training, WarmupIters: warmupIters}
+	spec.Layers, spec.LayersScalar, err = schedule.ParseLayers(layers)
+	if err != nil {
+		return nil, err
+	}
+	return schedule.Build(spec)
+}
+
+// PlanSteps returns plan's steps: a header line, then "K pass callable
+// entry chunk layer micro" per step (K one of F, B, W).
+func PlanSteps(plan int64) (steps string, err error) {
+	defer recoverPanic("plan_steps", &err)
+	p, err := store.Get(plan)
+	if err != nil {
+		return "", fmt.Errorf("plan_steps: %w", err)
 	}
 	return p.Encode(), nil
 }
 
-// PlanBuffers plans the static buffers of the passes of plan (PlanSchedule's
-// text): which slot buffers share a slot and after which step each pool
-// buffer can be released, with per-signature counts against
-// TransformerEngine's FIFO scheme. buffers has one line per buffer,
-// "R pass sig" (R: i input, g grad output, o output, d input grad, p cloned
-// parameter grad), and optionally "k pass inputKey gradKey" lines with a
-// pass's TransformerEngine reuse keys.
-func PlanBuffers(plan, buffers string) (assignment string, err error) {
-	defer recoverPanic("plan_buffers", &err)
-	p, err := schedule.Decode(plan)
+// PlanWarmup returns plan's warmup program for iters iterations, one
+// "op K pass" line per op (f forward, b backward, w weight gradient, x the
+// pass's warmup outputs die). The default schedule warms up per callable
+// (torch's loop) unless capture-time hooks are given, which need the
+// schedule's order (TransformerEngine's).
+func PlanWarmup(plan int64, iters int, hooks bool) (program string, err error) {
+	defer recoverPanic("plan_warmup", &err)
+	p, err := store.Get(plan)
 	if err != nil {
-		return "", fmt.Errorf("plan_buffers: %w", err)
+		return "", fmt.Errorf("plan_warmup: %w", err)
 	}
-	bufs, keys, err := lifetime.ParseBuffers(buffers, p.Passes)
-	if err != nil {
-		return "", fmt.Errorf("plan_buffers: %w", err)
+	if iters < 0 {
+		return "", fmt.Errorf("plan_warmup: %d iterations", iters)
 	}
-	r, err := lifetime.Assign(p, bufs, keys)
-	if err != nil {
-		return "", fmt.Errorf("plan_buffers: %w", err)
-	}
-	return r.Encode(bufs), nil
+	return lifetime.EncodeOps(lifetime.Warmup(p, iters, !p.Ordered && !hooks)), nil
 }
+
+// PlanCapture returns plan's capture program from what warmup learned
+// (facts, lifetime.ParseFacts's format): the capture ops with every release
+// point, where each static buffer comes from and how each parameter grad
+// reaches .grad (lifetime.Program.Encode's format). reuse shares static
+// buffers by liveness, chain chains consecutive layers' buffers, release
+// hands dead pool buffers back to the pool (an engine with device pools).
+func PlanCapture(plan int64, facts string, reuse, chain, release bool) (program string, err error) {
+	defer recoverPanic("plan_capture", &err)
+	p, err := store.Get(plan)
+	if err != nil {
+		return "", fmt.Errorf("plan_capture: %w", err)
+	}
+	f, err := lifetime.ParseFacts(facts, p.Passes)
+	if err != nil {
+		return "", fmt.Errorf("plan_capture: %w", err)
+	}
+	prog, err := lifetime.Capture(p, f, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	if err != nil {
+		return "", fmt.Errorf("plan_capture: %w", err)
+	}
+	return prog.Encode(), nil
+}
+
+// FreePlan forgets plan; it reports whether the handle was known (freeing
+// twice is harmless).
+func FreePlan(plan int64) (known bool, err error) {
+	defer recoverPanic("free_plan", &err)
+	return store.Free(plan), nil
+}
+
+// LivePlans returns how many plans are held (leak checks: a build frees its
+// plan when it ends, failed or not).
+func LivePlans() int { return store.Live() }

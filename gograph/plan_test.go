@@ -5,8 +5,19 @@ import (
 	"testing"
 )
 
+func planOf(t *testing.T, order, layers string, n, m int, training bool, warm int) int64 {
+	t.Helper()
+	h, err := PlanSchedule(order, layers, n, m, training, warm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = FreePlan(h) })
+	return h
+}
+
 func TestPlanScheduleDefault(t *testing.T) {
-	got, err := PlanSchedule("", "", 2, 2, true, 3)
+	h := planOf(t, "", "", 2, 2, true, 3)
+	got, err := PlanSteps(h)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -24,10 +35,8 @@ func TestPlanScheduleDefault(t *testing.T) {
 }
 
 func TestPlanScheduleOrdered(t *testing.T) {
-	got, err := PlanSchedule("1,2,-2,-2.5,-1,-1.5", "1,1", 2, 2, true, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := planOf(t, "1,2,-2,-2.5,-1,-1.5", "1,1", 2, 2, true, 1)
+	got, _ := PlanSteps(h)
 	lines := strings.Split(strings.TrimSpace(got), "\n")
 	want := []string{
 		"schedule v1 ordered=1 chunks=2 microbatches=1 callables=2 passes=2 layers=1,1",
@@ -36,34 +45,62 @@ func TestPlanScheduleOrdered(t *testing.T) {
 	if strings.Join(lines, "|") != strings.Join(want, "|") {
 		t.Errorf("got %q", lines)
 	}
-	_, err = PlanSchedule("1,-2,2,-1", "", 2, 2, true, 3)
+	_, err := PlanSchedule("1,-2,2,-1", "", 2, 2, true, 3)
 	if err == nil || !strings.HasPrefix(err.Error(), "plan_schedule: invalid schedule: _order entry 1 (-2): backward of chunk 2") {
 		t.Errorf("bad order: %v", err)
 	}
 }
 
-func TestPlanBuffers(t *testing.T) {
-	plan, err := PlanSchedule("1,-1,1,-1", "1", 1, 2, true, 3)
-	if err != nil {
-		t.Fatal(err)
+func TestPlanWarmupAndCapture(t *testing.T) {
+	h := planOf(t, "", "", 2, 2, true, 2)
+	got, err := PlanWarmup(h, 1, false)
+	if err != nil || got != "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n" {
+		t.Errorf("per-callable warmup = %q, %v", got, err)
 	}
-	got, err := PlanBuffers(plan, "i 0 0\ng 0 0\no 0 0\ni 1 0\ng 1 0\no 1 0\nk 0 0 0\nk 1 0 0")
-	if err != nil {
-		t.Fatal(err)
+	got, _ = PlanWarmup(h, 1, true)
+	if got != "op f 0\nop f 1\nop b 1\nop x 1\nop b 0\nop x 0\n" {
+		t.Errorf("warmup with hooks = %q", got)
 	}
-	// steps F0 B0 F1 B1: x0 slot 0, dy0 slot 1, y0 released after step 1,
-	// x1 reuses slot 0 (or 1), dy1 the other; TE keeps 2 too.
-	want := "assign 0 1 1 0 1 3\nsig 0 4 2 2\nslots 2\n"
-	if got != want {
-		t.Errorf("got\n%s\nwant\n%s", got, want)
+	facts := "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 1 1\npass 1 1 0 1 -1 -1\nin 1 1 1 1 1\nout 1 1 1\n"
+	got, err = PlanCapture(h, facts, false, true, true)
+	want := "op F 0\nop F 1\nop B 1\nop X 1\nop B 0\nop X 0\nop R d 1 0\nin 1 0 c 0 0\ngout 0 0 c 1 0\nslots 0\n"
+	if err != nil || got != want {
+		t.Errorf("chained capture =\n%s, %v\nwant\n%s", got, err, want)
 	}
-	for _, bad := range [][2]string{
-		{"nonsense", "i 0 0"},
-		{plan, "i 5 0"},
-		{plan, "q 0 0"},
+	for _, bad := range []struct {
+		plan  int64
+		facts string
+		want  string
+	}{
+		{0, "", "plan_capture: unknown plan handle 0"},
+		{h, "in 7 0 0 0 0", "plan_capture: facts line 0"},
+		{h, "pass 0 0 1 0 -1 -1", "plan_capture: pass 0 has a weight-gradient graph but no backward graph"},
 	} {
-		if _, err := PlanBuffers(bad[0], bad[1]); err == nil || !strings.HasPrefix(err.Error(), "plan_buffers: ") {
-			t.Errorf("PlanBuffers(%q, %q): %v", bad[0], bad[1], err)
+		if _, err := PlanCapture(bad.plan, bad.facts, true, false, false); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
+			t.Errorf("PlanCapture(%d, %q): %v, want %q", bad.plan, bad.facts, err, bad.want)
 		}
+	}
+	if _, err := PlanWarmup(h, -1, false); err == nil {
+		t.Error("negative warmup iterations accepted")
+	}
+}
+
+func TestPlanHandles(t *testing.T) {
+	before := LivePlans()
+	h, _ := PlanSchedule("", "", 1, 1, false, 0)
+	if LivePlans() != before+1 {
+		t.Fatalf("LivePlans = %d", LivePlans())
+	}
+	if known, _ := FreePlan(h); !known {
+		t.Fatal("FreePlan of a live plan reported unknown")
+	}
+	if known, _ := FreePlan(h); known {
+		t.Fatal("FreePlan twice reported known")
+	}
+	if _, err := PlanSteps(h); err == nil || !strings.Contains(err.Error(), "plan_steps: unknown plan handle") {
+		t.Fatalf("PlanSteps after free: %v", err)
+	}
+	if LivePlans() != before {
+		t.Fatalf("LivePlans = %d, want %d", LivePlans(), before)
 	}
 }

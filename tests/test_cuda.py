@@ -327,14 +327,14 @@ def test_rng_companions_share_the_engine_pool_even_after_all_were_reset(cuda_dev
     eng = gograph.engines.default_cuda_engine(cuda_device)
     a = make_mlp(seed=1, dropout=0.5, device=cuda_device)
     gograph.make_graphed_callables(a, (torch.randn(4, 8, device=cuda_device, requires_grad=True),))
-    pool = eng._companion_pool
-    assert pool is not None and eng._companions
+    pool = eng.rng.pool
+    assert pool is not None and eng.rng.companions
     a.reset()
-    assert not eng._companions
+    assert not eng.rng.companions
     b = make_mlp(seed=2, dropout=0.5, device=cuda_device)
     ref = twin(b)
     gograph.make_graphed_callables(b, (torch.randn(4, 8, device=cuda_device, requires_grad=True),))
-    assert eng._companion_pool == pool
+    assert eng.rng.pool == pool
     x = torch.randn(4, 8, device=cuda_device)
     torch.cuda.manual_seed(11)
     y = b(x)

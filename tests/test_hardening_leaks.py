@@ -41,12 +41,12 @@ def rss_bytes() -> int:
 
 
 def _core_cycle(core) -> None:
-    """One pass record's whole life in the core: 10 calls."""
+    """One pass record's whole life in the core: two eager capture transactions, seal, three
+    replays, reset, drop (11 calls)."""
     p = core.new_pass(7, "layer7")
-    core.attach_graph(p, 0, 0)
-    core.attach_graph(p, 1, 0)
-    core.add_pool_ref(p)
-    core.add_pool_ref(p)
+    for k in (0, 1):
+        core.begin_pass_capture(p, k, "eager/leak", 0, 0)
+        core.end_pass_capture(p, k, 0)
     core.seal_pass(p)
     for k in (0, 1, 0):
         core.replay(p, k, 0)
@@ -114,7 +114,7 @@ def test_thousand_cycles_on_the_eager_engine_leak_nothing():
     gc.collect()
     assert gograph.live_passes() == base_passes
     assert gograph.live_graphs() == base_graphs
-    assert not engine._pool_refs and not engine._passes
+    assert not engine._passes
     growth = _growth_per_cycle(samples)
     total = samples[-1] - samples[0]
     print(f"\neager engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
@@ -131,14 +131,14 @@ def test_thousand_cycles_on_the_eager_engine_leak_nothing():
 
 
 def test_thousand_cycles_of_the_core_records():
-    """The core's side alone: 1000 x (new pass, attach, pool ref, seal, replay x3, reset, drop)."""
+    """The core's side alone: 100000 x (new pass, 2 capture transactions, seal, replay x3, reset, drop)."""
     core = _native.core
     base = core.live_passes()
     _warm_go_heap()
     r0 = rss_bytes()
     for _ in range(100000):
         _core_cycle(core)
-    per_call = (rss_bytes() - r0) / (100000 * 10)
+    per_call = (rss_bytes() - r0) / (100000 * 11)
     print(f"\ncore records: {per_call:+.2f} B per core call over 1M calls")
     assert core.live_passes() == base
     # gopy's wrapper of an error-only function leaked ~31 B per call (before those functions
@@ -151,7 +151,7 @@ def test_errors_from_the_core_do_not_leak():
 
     def fail():
         for call in (lambda: core.seal_pass(-5), lambda: core.replay(-5, 0, 0), lambda: core.pass_state(-5),
-                     lambda: core.attach_graph(-5, 0, 0), lambda: core.drop_pass(-5)):
+                     lambda: core.end_pass_capture(-5, 0, 0), lambda: core.drop_pass(-5)):
             try:
                 call()
             except RuntimeError:
@@ -180,9 +180,10 @@ strs = ["", "x", "\x00nul", "caf\u00e9 \U0001f680", "\"quoted\"\n", "a" * 10000]
 outcomes = {}
 names = ["core_version", "flavor", "cuda_header_version", "live_graphs", "live_passes", "driver_version",
          "device_count", "device_name", "device_total_memory", "exchange_capture_mode", "capture_status",
-         "graph_node_count", "destroy_graph", "upload_graph", "launch_graph", "new_pass", "attach_graph",
-         "add_pool_ref", "seal_pass", "replay", "pass_state", "pass_graph", "reset_pass", "drop_pass",
-         "trigger_panic_for_test", "begin_capture", "end_capture", "abort_capture"]
+         "graph_node_count", "destroy_graph", "upload_graph", "launch_graph", "new_pass", "begin_pass_capture",
+         "end_pass_capture", "abort_pass_capture", "seal_pass", "replay", "pass_state", "pass_graph", "reset_pass",
+         "pass_reset_error", "drop_pass", "pool_refs", "plan_schedule", "plan_steps", "plan_warmup", "plan_capture",
+         "free_plan", "live_plans", "trigger_panic_for_test", "begin_capture", "end_capture", "abort_capture"]
 # On the cuda flavor, the calls that hand their stream straight to the driver get only stream 0
 # (refused before the driver): a garbage stream value would be dereferenced as a pointer there,
 # and raw handles are the caller's contract (see CORE_API.md). end_capture, upload_graph and
@@ -200,6 +201,8 @@ for name in names:
             r = fn(*args)
             if name == "new_pass":
                 created.append(r)
+            if name == "begin_pass_capture":  # leave nothing open
+                core.abort_pass_capture(args[0], args[1], args[3])
             outcomes[(name, "ok")] = outcomes.get((name, "ok"), 0) + 1
         except (RuntimeError, OverflowError, TypeError, ValueError) as e:
             assert "internal panic" not in str(e) or name == "trigger_panic_for_test", (name, args, str(e))
@@ -214,7 +217,10 @@ for s in strs:
         assert core.pass_state(created[-1]) == "building"
 for p in created:
     core.drop_pass(p)
+for h in range(1, 1000):
+    core.free_plan(h)
 assert core.live_passes() == 0, core.live_passes()
+assert core.live_plans() == 0, core.live_plans()
 print("CALLS", sum(outcomes.values()))
 print("OK")
 """
@@ -291,7 +297,7 @@ def test_thousand_cycles_on_cuda_leak_nothing(cuda_device):
     assert gograph.live_passes() == base_passes
     assert torch.cuda.memory_allocated(cuda_device) == base_alloc
     eng = gograph.engines.default_cuda_engine(cuda_device)
-    assert not eng._companions
+    assert not eng.rng.companions
     growth = _growth_per_cycle(samples)
     print(f"\ncuda engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
           f"({growth:+.0f} B/cycle); device memory back to {base_alloc} B")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 import types
 
 import pytest
@@ -243,12 +244,16 @@ def test_progress_bar_closed_when_the_build_fails(monkeypatch):
     assert _observe.current_build() is None
 
 
-def test_progress_without_tqdm_builds_and_says_so(monkeypatch, caplog):
+def test_progress_without_tqdm_builds_and_says_so_once(monkeypatch):
+    from gograph import _observe
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
-    with caplog.at_level(logging.INFO, logger="gograph"):
+    monkeypatch.setattr(_observe, "_said_no_tqdm", [])
+    with pytest.warns(UserWarning, match="progress=True shows a bar only with tqdm installed"):
         f = gograph.make_graphed_callables(lambda t: t + 1, (torch.randn(2),), progress=True)
     assert torch.equal(f(torch.zeros(2)), torch.ones(2))
-    assert any("progress=True needs tqdm" in r.getMessage() for r in caplog.records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process
+        gograph.make_graphed_callables(lambda t: t + 2, (torch.randn(2),), progress=True)
 
 
 def test_build_stats_shared_by_the_callables_of_one_call():

@@ -111,7 +111,7 @@ def test_graphed_call_under_vmap_takes_torch_path_and_refuses():
     model.reset()
 
 
-# -- the build's backward calls (graphs._autograd_grad) ------------------------------------------
+# -- the build's backward calls (_bodies.autograd_grad) ------------------------------------------
 class _Subclass(torch.Tensor):
     """A tensor subclass: it carries torch's default __torch_function__, so it is dispatchable."""
 
@@ -142,28 +142,28 @@ def small_graph():
 
 @pytest.mark.parametrize("retain_graph", [False, True])
 def test_build_backward_equals_torch_autograd_grad(small_graph, retain_graph):
-    from gograph import graphs
+    from gograph import _bodies, _torch
     build, x, w, u = small_graph
     outs, g = build()
     expected = torch.autograd.grad(outs, (x, w, u), (g,), allow_unused=True, retain_graph=True)
-    got = graphs._autograd_grad(outs, (x, w, u), (g,), True, retain_graph)
+    got = _bodies.autograd_grad(outs, (x, w, u), (g,), True, retain_graph)
     assert got[2] is None and expected[2] is None
     assert all(torch.equal(a, b) for a, b in zip(got[:2], expected[:2]))
     if retain_graph:  # the graph is still there for a second backward
-        assert torch.equal(graphs._autograd_grad(outs, (x,), (g,), False)[0], expected[0])
+        assert torch.equal(_bodies.autograd_grad(outs, (x,), (g,), False)[0], expected[0])
     else:
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-            graphs._autograd_grad(outs, (x,), (g,), False)
+            _bodies.autograd_grad(outs, (x,), (g,), False)
 
 
 def test_build_backward_raises_torchs_errors(small_graph):
-    from gograph import graphs
+    from gograph import _bodies, _torch
     build, x, w, u = small_graph
     outs, g = build()
     with pytest.raises(RuntimeError) as torch_error:
         torch.autograd.grad(outs, (x, u), (g,), retain_graph=True)
     with pytest.raises(RuntimeError) as ours:
-        graphs._autograd_grad(outs, (x, u), (g,), False, True)
+        _bodies.autograd_grad(outs, (x, u), (g,), False, True)
     assert str(ours.value) == str(torch_error.value)
     assert "appears to not have been used in the graph" in str(ours.value)
 
@@ -174,15 +174,15 @@ def test_build_backward_takes_torch_autograd_grad_unless_plain(small_graph, monk
     autograd's debug logging off; everything else keeps torch.autograd.grad's dispatch."""
     import logging
 
-    from gograph import graphs
+    from gograph import _bodies, _torch
     build, x, w, u = small_graph
     engine_calls = []
-    real = graphs._run_backward
+    real = _torch.run_backward
 
     def counting(*args, **kwargs):
         engine_calls.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr(graphs, "_run_backward", counting)
+    monkeypatch.setattr(_torch, "run_backward", counting)
     outs, g = build()
     inputs = (x, w)
     mode = _RecordingMode() if case == "mode" else None
@@ -193,9 +193,9 @@ def test_build_backward_takes_torch_autograd_grad_unless_plain(small_graph, monk
     expected = torch.autograd.grad(outs, inputs, (g,), retain_graph=True)
     if mode is not None:
         with mode:
-            got = graphs._autograd_grad(outs, inputs, (g,), False)
+            got = _bodies.autograd_grad(outs, inputs, (g,), False)
         assert mode.calls > 0  # the mode saw torch.autograd.grad
     else:
-        got = graphs._autograd_grad(outs, inputs, (g,), False)
+        got = _bodies.autograd_grad(outs, inputs, (g,), False)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert (len(engine_calls) == 1) == (case == "plain")

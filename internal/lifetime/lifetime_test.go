@@ -31,19 +31,199 @@ func plan(t testing.TB, ord []float64, layers string, callables, samples int) *s
 	return p
 }
 
-// residual gives every pass the buffers of a layer y = f(x) with x, y, dy
-// and dx of one signature (0), TE keys equal for all passes, and cloned
-// parameter grads of signature 1.
-func residual(p *schedule.Plan) ([]Buffer, []Keys) {
-	var bufs []Buffer
-	keys := make([]Keys, p.Passes)
-	for pass := 0; pass < p.Passes; pass++ {
-		bufs = append(bufs,
-			Buffer{Input, pass, 0}, Buffer{GradOutput, pass, 0},
-			Buffer{Output, pass, 0}, Buffer{GradInput, pass, 0}, Buffer{ParamGrad, pass, 1})
-		keys[pass] = Keys{Input: 0, Grad: 0}
+func defaultPlan(t testing.TB, n int, training bool) *schedule.Plan {
+	t.Helper()
+	p, err := schedule.Default(n, training)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return bufs, keys
+	return p
+}
+
+// layer gives every pass the facts of a training layer y = f(x) with x, y of
+// signature 0 (x requiring grad unless noGradInput) and one parameter grad
+// of signature 1, the parameter being its callable's.
+func layer(p *schedule.Plan, noGradInput ...int) []Facts {
+	callable := make([]int, p.Passes)
+	for _, s := range p.Steps {
+		callable[s.Pass] = s.Callable
+	}
+	skip := map[int]bool{}
+	for _, n := range noGradInput {
+		skip[n] = true
+	}
+	facts := make([]Facts, p.Passes)
+	for i := range facts {
+		facts[i] = Facts{
+			Inputs:     []InputLeaf{{Sig: 0, RequiresGrad: !skip[i], Unique: true, Slottable: true}},
+			NPos:       1,
+			Outputs:    []OutputLeaf{{Sig: 0, RequiresGrad: true}},
+			ParamGrads: []ParamLeaf{{Index: 1, Param: callable[i], Sig: 1}},
+			Backward:   true,
+			Keys:       Keys{Input: 0, Grad: 0},
+		}
+	}
+	return facts
+}
+
+func ops(t testing.TB, o []Op) string {
+	t.Helper()
+	parts := make([]string, len(o))
+	for i, x := range o {
+		parts[i] = x.String()
+	}
+	return strings.Join(parts, " | ")
+}
+
+func mustCapture(t testing.TB, p *schedule.Plan, facts []Facts, opt Options) *Program {
+	t.Helper()
+	prog, err := Capture(p, facts, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := programInvariants(p, facts, prog, opt); err != nil {
+		t.Fatal(err)
+	}
+	return prog
+}
+
+// TestWarmupReleasePoints names when each warmup forward's outputs die.
+func TestWarmupReleasePoints(t *testing.T) {
+	tests := []struct {
+		name        string
+		p           *schedule.Plan
+		iters       int
+		perCallable bool
+		want        string
+	}{
+		{"torch's per-callable loop: outputs die after their backward", defaultPlan(t, 2, true), 2, true,
+			"f 0 | b 0 | x 0 | f 0 | b 0 | x 0 | f 1 | b 1 | x 1 | f 1 | b 1 | x 1"},
+		{"per-callable inference: outputs die at once", defaultPlan(t, 2, false), 1, true,
+			"f 0 | x 0 | f 1 | x 1"},
+		{"schedule order (capture-time hooks): all forwards, backwards in reverse", defaultPlan(t, 2, true), 1, false,
+			"f 0 | f 1 | b 1 | x 1 | b 0 | x 0"},
+		{"schedule order inference", defaultPlan(t, 2, false), 2, false,
+			"f 0 | x 0 | f 1 | x 1 | f 0 | x 0 | f 1 | x 1"},
+		{"_order with weight-gradient entries: each pass's outputs die at its backward", plan(t, []float64{1, 2, -2, -2.5, -1, -1.5}, "1,1", 2, 2), 1, false,
+			"f 0 | f 1 | b 1 | x 1 | w 1 | b 0 | x 0 | w 0"},
+		{"no iterations", defaultPlan(t, 3, true), 0, true, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := ops(t, Warmup(tc.p, tc.iters, tc.perCallable)); got != tc.want {
+				t.Errorf("got  %s\nwant %s", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestCaptureReleasePoints names every release point of the default
+// schedule and of _order schedules, with and without the memory plans.
+func TestCaptureReleasePoints(t *testing.T) {
+	three := defaultPlan(t, 3, true)
+	inference := defaultPlan(t, 2, false)
+	wgradFacts := layer(three, 0)
+	wgradFacts[1].WGrad = true
+	noGradOut := layer(three, 0)
+	noGradOut[1].Outputs[0].RequiresGrad = false
+	noGradOut[1].Backward = false
+	te := plan(t, []float64{1, 2, -2, -1}, "*2", 4, 4) // F0 F1 F2 F3 B3 B2 B1 B0
+	tests := []struct {
+		name  string
+		p     *schedule.Plan
+		facts []Facts
+		opt   Options
+		want  string
+	}{
+		{"default schedule: capture-time outputs die at their backward", three, layer(three, 0), Options{},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0"},
+		{"a pool buffer is released only when the plan says so", three, layer(three, 0), Options{Release: true},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0"},
+		{"default schedule, a delayed weight gradient follows its backward", three, wgradFacts, Options{},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | W 1 | B 0 | X 0"},
+		{"inference: capture-time outputs die at once", inference, []Facts{{}, {}}, Options{},
+			"F 0 | X 0 | F 1 | X 1"},
+		{"a forward without backward graph drops its outputs at once", three, noGradOut, Options{},
+			"F 0 | F 1 | X 1 | F 2 | B 2 | X 2 | B 0 | X 0"},
+		{"chained default schedule: an edge's grad dies at the producer's backward", three, layer(three, 0), Options{Chain: true, Release: true},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | R d 2 0 | B 0 | X 0 | R d 1 0"},
+		{"chained without a device pool: nothing to hand back", three, layer(three, 0), Options{Chain: true},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0"},
+		{"_order with reuse: outputs and parameter grads at their backward, input grads at their consumer", te, layer(te), Options{Reuse: true, Release: true},
+			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | R p 3 1 | B 2 | X 2 | R o 2 0 | R p 2 1 | R d 3 0 | " +
+				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0"},
+		{"_order chained with reuse: outputs live until the consumer's backward", te, layer(te), Options{Reuse: true, Chain: true, Release: true},
+			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | B 2 | X 2 | R o 2 0 | R d 3 0 | " +
+				"B 1 | X 1 | R o 1 0 | B 0 | X 0 | R o 0 0 | R d 1 0 | R d 2 0"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			prog := mustCapture(t, tc.p, tc.facts, tc.opt)
+			if got := ops(t, prog.Ops); got != tc.want {
+				t.Errorf("got  %s\nwant %s", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestChainSources(t *testing.T) {
+	p := defaultPlan(t, 3, true)
+	facts := layer(p, 0)
+	// layer 2 takes a second positional input (a mask) that is not chained
+	facts[2].Inputs = append(facts[2].Inputs, InputLeaf{Sig: 5, Unique: true})
+	facts[2].NPos = 2
+	facts[2].ParamGrads[0].Index = 2
+	prog := mustCapture(t, p, facts, Options{Chain: true, Release: true})
+	want := map[[2]int]Source{
+		{0, 0}: {Kind: Own}, {1, 0}: {Kind: Chained, Pass: 0}, {2, 0}: {Kind: Chained, Pass: 1}, {2, 1}: {Kind: Own},
+	}
+	for k, w := range want {
+		if got := prog.Inputs[k[0]][k[1]]; got != w {
+			t.Errorf("input %v = %+v, want %+v", k, got, w)
+		}
+	}
+	// pass 0's grad output is pass 1's input grad, pass 1's is pass 2's; pass 2's is its own.
+	gw := []Source{{Kind: Chained, Pass: 1}, {Kind: Chained, Pass: 2}, {Kind: Own}}
+	for pass, w := range gw {
+		if got := prog.GradOutputs[pass][0]; got != w {
+			t.Errorf("grad output of pass %d = %+v, want %+v", pass, got, w)
+		}
+	}
+	// Layer 0's input does not require grad: layer 1's (which does) must not chain to it... it is
+	// chained to layer 0's output, which requires grad. A mismatch breaks the edge:
+	facts = layer(p, 0)
+	facts[1].Inputs[0].RequiresGrad = false
+	facts[2].Inputs[0].Sig = 7
+	prog = mustCapture(t, p, facts, Options{Chain: true})
+	if prog.Inputs[1][0].Kind != Own || prog.Inputs[2][0].Kind != Own || prog.GradOutputs[0][0].Kind != Own {
+		t.Errorf("mismatched edges chained: %+v / %+v", prog.Inputs, prog.GradOutputs)
+	}
+}
+
+func TestGradPolicies(t *testing.T) {
+	p := defaultPlan(t, 2, true)
+	pipe := plan(t, []float64{1, 1, -1, -1}, "1", 1, 2) // one layer, two microbatches: two passes share its parameter
+	tests := []struct {
+		name string
+		p    *schedule.Plan
+		opt  Options
+		want [][]GradPolicy
+	}{
+		{"default: owned clones", p, Options{Release: true}, [][]GradPolicy{{GradClone}, {GradClone}}},
+		{"chained: lent", p, Options{Chain: true, Release: true}, [][]GradPolicy{{GradLend}, {GradLend}}},
+		{"reuse: transient clones", pipe, Options{Reuse: true, Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
+		{"chained pipeline: the first backward lends, later microbatches accumulate transiently", pipe,
+			Options{Chain: true, Reuse: true, Release: true}, [][]GradPolicy{{GradLend}, {GradTransient}}},
+		{"chained on the eager engine: no pool to hand back", pipe, Options{Chain: true}, [][]GradPolicy{{GradLend}, {GradClone}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			prog := mustCapture(t, tc.p, layer(tc.p), tc.opt)
+			if fmt.Sprint(prog.GradPolicy) != fmt.Sprint(tc.want) {
+				t.Errorf("policies %c, want %c", prog.GradPolicy, tc.want)
+			}
+		})
+	}
 }
 
 func TestTransformerEngineInterleaved(t *testing.T) {
@@ -51,24 +231,9 @@ func TestTransformerEngineInterleaved(t *testing.T) {
 	// microbatch-chunks are live (after 1,2,1,2), so 4 input tuples; the
 	// backward reads one grad-output tuple: 5 buffers in TE's scheme.
 	p := plan(t, []float64{1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1}, "", 2, 6)
-	bufs, keys := residual(p)
-	r, err := Assign(p, bufs, keys)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkAssignment(t, p, bufs, r)
-	st := r.Sigs[0]
-	if st.Buffers != 12 || st.TEFifo != 5 || st.Slots != 5 {
+	prog := mustCapture(t, p, layer(p), Options{Reuse: true, Release: true})
+	if st := prog.Sigs[0]; st.Buffers != 12 || st.TEFifo != 5 || st.Slots != 5 {
 		t.Errorf("sig 0: %+v, want 12 buffers, 5 slots, TE 5", *st)
-	}
-	// Outputs die at their backward; input grads at their consumer.
-	for i, b := range bufs {
-		switch b.Role {
-		case Output, ParamGrad:
-			if r.Release[i] != p.StepOf(b.Pass, schedule.Backward) {
-				t.Errorf("%s of pass %d released after step %d", b.Role, b.Pass, r.Release[i])
-			}
-		}
 	}
 }
 
@@ -77,26 +242,19 @@ func TestFewerSlotsThanTE(t *testing.T) {
 	// hidden states match: TE keys whole tuples and cannot share chunk 1's x
 	// with chunk 2's; per-tensor slots can.
 	p := plan(t, []float64{1, -1, 2, -2}, "1,1", 2, 2)
-	bufs := []Buffer{
-		{Input, 0, 0}, {Input, 0, 1}, {GradOutput, 0, 0},
-		{Input, 1, 0}, {GradOutput, 1, 0},
-	}
-	keys := []Keys{{Input: 0, Grad: 0}, {Input: 1, Grad: 0}}
-	r, err := Assign(p, bufs, keys)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkAssignment(t, p, bufs, r)
-	if st := r.Sigs[0]; st.Slots != 2 || st.TEFifo != 3 {
+	facts := layer(p)
+	facts[0].Inputs = append(facts[0].Inputs, InputLeaf{Sig: 2, Unique: true, Slottable: true}) // the mask
+	facts[0].ParamGrads[0].Index = 2
+	facts[1].Keys.Input = 1
+	prog := mustCapture(t, p, facts, Options{Reuse: true})
+	if st := prog.Sigs[0]; st.Slots != 2 || st.TEFifo != 3 {
 		t.Errorf("sig 0: %+v, want 2 slots (TE 3)", *st)
 	}
 	// An input and a grad output of the same signature share a slot when
 	// their lifetimes allow: one slot for x of both passes and one for dy.
 	p = plan(t, []float64{1, -1, 1, -1}, "1", 1, 2)
-	bufs = []Buffer{{Input, 0, 0}, {GradOutput, 0, 0}, {Input, 1, 0}, {GradOutput, 1, 0}}
-	r, _ = Assign(p, bufs, []Keys{{0, 0}, {0, 0}})
-	checkAssignment(t, p, bufs, r)
-	if st := r.Sigs[0]; st.Slots != 2 || st.TEFifo != 2 {
+	prog = mustCapture(t, p, layer(p), Options{Reuse: true})
+	if st := prog.Sigs[0]; st.Slots != 2 || st.TEFifo != 2 {
 		t.Errorf("alternating: %+v", *st)
 	}
 }
@@ -105,138 +263,209 @@ func TestWeightGradientKeepsInputsLive(t *testing.T) {
 	// A forward between a backward and its weight gradient must not take the
 	// input or grad output the weight gradient still reads.
 	p := plan(t, []float64{1, -1, 1, -1.5, -1, -1.5}, "1", 1, 2)
-	bufs := []Buffer{{Input, 0, 0}, {GradOutput, 0, 0}, {Input, 1, 0}, {GradOutput, 1, 0}}
-	r, err := Assign(p, bufs, []Keys{{0, 0}, {0, 0}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkAssignment(t, p, bufs, r)
-	if r.Slot[0] == r.Slot[2] {
+	facts := layer(p)
+	facts[0].WGrad, facts[1].WGrad = true, true
+	prog := mustCapture(t, p, facts, Options{Reuse: true})
+	if prog.Inputs[0][0].Slot == prog.Inputs[1][0].Slot {
 		t.Error("pass 1's input took the slot pass 0's weight gradient still reads")
 	}
-	if w := p.StepOf(0, schedule.WGrad); r.Last[0] != w || r.Last[1] != w {
-		t.Errorf("pass 0's input and grad output die at %d and %d, want its weight gradient %d", r.Last[0], r.Last[1], w)
+	if got := ops(t, prog.Ops); got != "F 0 | B 0 | X 0 | F 1 | W 0 | B 1 | X 1 | W 1" {
+		t.Errorf("ops %s", got)
 	}
 }
 
-func TestGradInputConsumers(t *testing.T) {
-	// 2 chunks x 2 layers: a layer's input grad is read by the backward of
-	// the layer before it; a chunk's first layer's by the next first-layer
-	// backward; the last one is never released.
-	p := plan(t, []float64{1, 2, -2, -1}, "*2", 4, 4)
-	var bufs []Buffer
-	for pass := 0; pass < 4; pass++ {
-		bufs = append(bufs, Buffer{GradInput, pass, 0})
-	}
-	r, err := Assign(p, bufs, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// steps: F0 F1 F2 F3 B3 B2 B1 B0 (indices 4..7)
-	want := map[int]int{3: 5, 2: 7, 1: 7, 0: -1}
-	for i, b := range bufs {
-		if r.Release[i] != want[b.Pass] {
-			t.Errorf("input grad of pass %d released after %d, want %d", b.Pass, r.Release[i], want[b.Pass])
+func TestMegatronBench(t *testing.T) {
+	// bench/pipeline.py's schedule: one rank of 4 stages, 4 chunks x 2
+	// layers, 8 microbatches.
+	var fwd, bwd []float64
+	for lo := 0; lo < 8; lo += 4 {
+		for c := 0; c < 4; c++ {
+			for m := lo; m < lo+4; m++ {
+				fwd = append(fwd, float64(c+1))
+				bwd = append(bwd, float64(c-4))
+			}
 		}
 	}
+	const warm = 18
+	ord := append([]float64{}, fwd[:warm]...)
+	for i := warm; i < len(fwd); i++ {
+		ord = append(ord, fwd[i], bwd[i-warm])
+	}
+	ord = append(ord, bwd[len(bwd)-warm:]...)
+	p := plan(t, ord, "*2", 8, 64)
+	prog := mustCapture(t, p, layer(p), Options{Reuse: true, Release: true})
+	// 19 microbatch-chunks live at the first backward, 2 layers each, plus
+	// the grad output: 39 of 128 buffers.
+	if st := prog.Sigs[0]; st.Buffers != 128 || st.Slots != 39 || st.TEFifo != 39 {
+		t.Errorf("sig 0: %+v", *st)
+	}
+	// Chained, each chunk's second layer reads its first layer's output and
+	// only the chunk's input and its last layer's grad output need slots.
+	prog = mustCapture(t, p, layer(p), Options{Reuse: true, Chain: true, Release: true})
+	if st := prog.Sigs[0]; st.Buffers != 64 || st.Slots != 20 {
+		t.Errorf("chained sig 0: %+v", *st)
+	}
 }
 
-func TestRejectsBadBuffers(t *testing.T) {
+func TestRejectsBadFacts(t *testing.T) {
 	p := plan(t, []float64{1, -1}, "", 1, 1)
-	for _, s := range []string{"i 1 0", "x 0 0", "i 0", "i 0 -3", "k 0 0", "i a 0", "i 0 0 0 0", "k 0 0 0 0"} {
-		bufs, keys, err := ParseBuffers(s, p.Passes)
+	for _, s := range []string{
+		"pass 1 0 0 0 -1 -1", "x 0 0", "in 0", "in 0 -3 0 0 0", "pass 0 0 0 0 0", "in a 0 0 0 0",
+		"pass 0 0 0 0 -1 -1\npass 0 0 0 0 -1 -1", "out 0 99999999999 0",
+		"pass 0 0 0 2 -1 -1\nin 0 0 0 1 1",             // more positional inputs than inputs
+		"pass 0 0 1 0 -1 -1",                           // a weight gradient without backward
+		"in 0 0 0 0 1",                                 // slottable but not unique
+		"pass 0 1 0 0 -1 -1\nin 0 0 1 1 1\npg 0 0 0 0", // a parameter grad inside the user inputs
+	} {
+		facts, err := ParseFacts(s, p.Passes)
 		if err == nil {
-			_, err = Assign(p, bufs, keys)
+			_, err = Capture(p, facts, Options{Reuse: true, Release: true})
 		}
 		if err == nil {
 			t.Errorf("%q accepted", s)
 		}
 	}
-	eval, _ := schedule.Default(1, false)
-	if _, err := Assign(eval, []Buffer{{GradOutput, 0, 0}}, nil); err == nil {
-		t.Error("grad output of a pass without backward accepted")
+	eval := defaultPlan(t, 1, false)
+	if _, err := Capture(eval, []Facts{{Backward: true}}, Options{}); err == nil {
+		t.Error("a backward graph of a pass without backward step accepted")
+	}
+	if _, err := Capture(eval, nil, Options{}); err == nil {
+		t.Error("facts for the wrong number of passes accepted")
 	}
 }
 
 func TestEncode(t *testing.T) {
 	p := plan(t, []float64{1, -1, 1, -1}, "1", 1, 2)
-	bufs, keys, err := ParseBuffers("i 0 0\ng 0 0\no 0 3\ni 1 0\ng 1 0\no 1 3\nk 0 0 0\nk 1 0 0\n", p.Passes)
+	facts, err := ParseFacts("pass 0 1 0 1 0 0\nin 0 0 1 1 1\nout 0 0 1\npg 0 1 0 3\n"+
+		"pass 1 1 0 1 0 0\nin 1 0 1 1 1\nout 1 0 1\npg 1 1 0 3\n", p.Passes)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := Assign(p, bufs, keys)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := "assign 0 1 1 0 1 3\nsig 0 4 2 2\nslots 2\n"
-	if got := r.Encode(bufs); got != want {
+	prog := mustCapture(t, p, facts, Options{Reuse: true, Chain: true, Release: true})
+	// One layer, two microbatches: nothing to chain; slots as with reuse alone; the
+	// first microbatch's backward lends its parameter grad, the second's is transient.
+	want := "op F 0\nop B 0\nop X 0\nop R o 0 0\nop F 1\nop B 1\nop X 1\nop R d 0 0\nop R o 1 0\nop R p 1 1\n" +
+		"in 0 0 s 0\nin 1 0 s 0\ngout 0 0 s 1\ngout 1 0 s 1\ngrad 0 0 l\ngrad 1 0 t\nsig 0 4 2 2\nslots 2\n"
+	if got := prog.Encode(); got != want {
 		t.Errorf("Encode:\n%s\nwant\n%s", got, want)
 	}
-}
-
-// checkAssignment is the property every plan must have: no slot is given to
-// two buffers live at once, slots hold one signature, every buffer's use
-// steps lie within its interval, and no release precedes a last use.
-func checkAssignment(t testing.TB, p *schedule.Plan, bufs []Buffer, r *Result) {
-	t.Helper()
-	if err := assignmentInvariants(p, bufs, r); err != nil {
-		t.Fatal(err)
+	if got := EncodeOps(Warmup(p, 1, false)); got != "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n" {
+		t.Errorf("EncodeOps: %q", got)
 	}
 }
 
-func assignmentInvariants(p *schedule.Plan, bufs []Buffer, r *Result) error {
-	at := make([][3]int, p.Passes)
-	for i := range at {
-		at[i] = [3]int{-1, -1, -1}
+// programInvariants is what every program must satisfy: each pass's
+// captures appear once, in order (forward, backward, weight gradient) and
+// each forward's capture-time outputs are dropped after its last capture;
+// no release precedes a read of the buffer; chained buffers are read only
+// after they were written and have equal signatures; slots are never given
+// to two buffers live at once and hold one signature; slots per signature
+// are exactly the most buffers of it live at once.
+func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Options) error {
+	pos := map[string]int{}
+	for i, o := range prog.Ops {
+		key := o.String()
+		if _, dup := pos[key]; dup {
+			return fmt.Errorf("op %q twice", key)
+		}
+		pos[key] = i
 	}
-	for i, s := range p.Steps {
-		at[s.Pass][strings.IndexByte("FBW", byte(s.Kind))] = i
+	at := func(k OpKind, pass int) int {
+		if i, ok := pos[Op{Kind: k, Pass: pass}.String()]; ok {
+			return i
+		}
+		return -1
 	}
-	slotSig := map[int]int{}
-	for i, b := range bufs {
-		u, err := uses(p, at, b)
-		if err != nil {
-			return err
+	for pass, f := range facts {
+		fw, bw, w, x := at(CaptureForward, pass), at(CaptureBackward, pass), at(CaptureWGrad, pass), at(DropCapture, pass)
+		if fw < 0 || x < fw || (f.Backward != (bw >= 0)) || (bw >= 0 && (bw < fw || x < bw)) || (w >= 0 && w < bw) {
+			return fmt.Errorf("pass %d: F %d B %d W %d X %d (backward %v)", pass, fw, bw, w, x, f.Backward)
 		}
-		for _, s := range u {
-			if s < r.First[i] || s > r.Last[i] {
-				return fmt.Errorf("buffer %d (%s of pass %d) used at step %d outside [%d, %d]", i, b.Role, b.Pass, s, r.First[i], r.Last[i])
-			}
-			if !b.Role.Slotted() && r.Release[i] >= 0 && r.Release[i] < s {
-				return fmt.Errorf("buffer %d (%s of pass %d) released after step %d but used at step %d", i, b.Role, b.Pass, r.Release[i], s)
-			}
-		}
-		if !b.Role.Slotted() {
-			if r.Slot[i] != -1 {
-				return fmt.Errorf("pool buffer %d has slot %d", i, r.Slot[i])
-			}
-			continue
-		}
-		if r.Slot[i] < 0 || r.Slot[i] >= r.Slots {
-			return fmt.Errorf("buffer %d: slot %d of %d", i, r.Slot[i], r.Slots)
-		}
-		if s, ok := slotSig[r.Slot[i]]; ok && s != b.Sig {
-			return fmt.Errorf("slot %d holds signatures %d and %d", r.Slot[i], s, b.Sig)
-		}
-		slotSig[r.Slot[i]] = b.Sig
-		for j := 0; j < i; j++ {
-			if !bufs[j].Role.Slotted() || r.Slot[j] != r.Slot[i] {
+		for j, src := range prog.Inputs[pass] {
+			if src.Kind != Chained {
 				continue
 			}
-			if r.First[i] <= r.Last[j] && r.First[j] <= r.Last[i] {
-				return fmt.Errorf("slot %d given to buffer %d (%s of pass %d, live %d..%d) and buffer %d (%s of pass %d, live %d..%d) at once",
-					r.Slot[i], j, bufs[j].Role, bufs[j].Pass, r.First[j], r.Last[j], i, b.Role, b.Pass, r.First[i], r.Last[i])
+			q := src.Pass
+			if at(CaptureForward, q) > fw || facts[q].Outputs[src.Index].Sig != f.Inputs[j].Sig {
+				return fmt.Errorf("pass %d input %d chained to pass %d output %d, captured later or of another signature", pass, j, q, src.Index)
+			}
+			if r := pos[Op{Kind: Release, Pass: q, Role: Output, Index: src.Index}.String()]; r > 0 && (r < fw || (bw >= 0 && r < bw)) {
+				return fmt.Errorf("pass %d's chained input (pass %d output %d) released at op %d before its reads", pass, q, src.Index, r)
+			}
+		}
+		for k, src := range prog.GradOutputs[pass] {
+			if src.Kind == Chained {
+				q := src.Pass
+				qb := at(CaptureBackward, q)
+				if qb < 0 || qb > bw || !facts[q].Inputs[src.Index].RequiresGrad || facts[q].Inputs[src.Index].Sig != f.Outputs[k].Sig {
+					return fmt.Errorf("pass %d grad output %d chained to pass %d input grad %d, which is not written before", pass, k, q, src.Index)
+				}
+				if r, ok := pos[Op{Kind: Release, Pass: q, Role: GradInput, Index: src.Index}.String()]; ok && r < bw {
+					return fmt.Errorf("pass %d's chained grad output released at op %d before its backward (op %d)", pass, r, bw)
+				}
 			}
 		}
 	}
-	// Slots per signature are exactly the most buffers of it live at once.
-	for sig, st := range r.Sigs {
+	for i, o := range prog.Ops {
+		if o.Kind != Release {
+			continue
+		}
+		if !opt.Release {
+			return fmt.Errorf("op %d: a release without Options.Release", i)
+		}
+		if b := at(CaptureBackward, o.Pass); b < 0 || b > i {
+			return fmt.Errorf("op %d (%s) before its pass's backward", i, o)
+		}
+	}
+	return slotInvariants(p, facts, prog)
+}
+
+func slotInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
+	at := stepsOf(p)
+	type live struct{ first, last, sig int }
+	slots := map[int][]live{}
+	add := func(slot, sig int, uses ...int) {
+		b := buffer{}
+		b.span(uses...)
+		slots[slot] = append(slots[slot], live{b.first, b.last, sig})
+	}
+	for pass, f := range facts {
+		bw, w := at.bwd(pass), at.wgrad(pass)
+		if !f.Backward {
+			bw, w = -1, -1
+		}
+		for j, s := range prog.Inputs[pass] {
+			if s.Kind == Slot {
+				add(s.Slot, f.Inputs[j].Sig, at.fwd(pass), bw, w)
+			}
+		}
+		for k, s := range prog.GradOutputs[pass] {
+			if s.Kind == Slot {
+				add(s.Slot, f.Outputs[k].Sig, bw, w)
+			}
+		}
+	}
+	for slot, ls := range slots {
+		for i, a := range ls {
+			for _, b := range ls[:i] {
+				if a.sig != b.sig {
+					return fmt.Errorf("slot %d holds signatures %d and %d", slot, a.sig, b.sig)
+				}
+				if a.first <= b.last && b.first <= a.last {
+					return fmt.Errorf("slot %d given to buffers live %d..%d and %d..%d at once", slot, b.first, b.last, a.first, a.last)
+				}
+			}
+		}
+	}
+	for sig, st := range prog.Sigs {
 		peak := 0
 		for step := range p.Steps {
 			n := 0
-			for i, b := range bufs {
-				if b.Role.Slotted() && b.Sig == sig && r.First[i] <= step && step <= r.Last[i] {
-					n++
+			for _, ls := range slots {
+				for _, l := range ls {
+					if l.sig == sig && l.first <= step && step <= l.last {
+						n++
+					}
 				}
 			}
 			peak = max(peak, n)
@@ -286,13 +515,48 @@ func randomOrder(rng *rand.Rand, chunks, micro int, wgrad, adjacent bool) []floa
 	return out
 }
 
-// TestPropertyRandomSchedules: over random schedules and buffer sets, no
-// slot is shared by buffers live at once, no release precedes a last use,
-// and (without weight gradients that trail their backward) no signature
-// needs more slots than TransformerEngine's FIFO scheme.
+// randomFacts gives each callable a fixed random layout (as a layer has):
+// a few input leaves and outputs over a few signatures, some requiring
+// grad, and a parameter grad.
+func randomFacts(rng *rand.Rand, p *schedule.Plan, wgrad bool) []Facts {
+	nsig := 1 + rng.Intn(3)
+	layouts := make([]Facts, p.Callables)
+	for c := range layouts {
+		f := &layouts[c]
+		for k := 0; k < 1+rng.Intn(3); k++ {
+			f.Inputs = append(f.Inputs, InputLeaf{Sig: rng.Intn(nsig), RequiresGrad: rng.Intn(3) > 0, Unique: true, Slottable: rng.Intn(4) > 0})
+		}
+		f.NPos = 1 + rng.Intn(len(f.Inputs))
+		for k := 0; k < 1+rng.Intn(2); k++ {
+			f.Outputs = append(f.Outputs, OutputLeaf{Sig: rng.Intn(nsig), RequiresGrad: rng.Intn(4) > 0})
+		}
+		f.ParamGrads = []ParamLeaf{{Index: len(f.Inputs), Param: c, Sig: nsig}}
+		f.Keys = Keys{Input: c, Grad: c}
+	}
+	callable := make([]int, p.Passes)
+	for _, s := range p.Steps {
+		callable[s.Pass] = s.Callable
+	}
+	facts := make([]Facts, p.Passes)
+	for pass := range facts {
+		f := layouts[callable[pass]]
+		facts[pass] = f
+		facts[pass].Backward = false
+		for _, o := range f.Outputs {
+			facts[pass].Backward = facts[pass].Backward || o.RequiresGrad
+		}
+		facts[pass].WGrad = wgrad && facts[pass].Backward
+	}
+	return facts
+}
+
+// TestPropertyRandomSchedules: over random schedules, layouts and options,
+// every program has the invariants, and (without weight gradients that
+// trail their backward) no signature needs more slots than
+// TransformerEngine's FIFO scheme.
 func TestPropertyRandomSchedules(t *testing.T) {
 	rng := rand.New(rand.NewSource(1))
-	for iter := 0; iter < 400; iter++ {
+	for iter := 0; iter < 500; iter++ {
 		chunks, micro := 1+rng.Intn(4), 1+rng.Intn(5)
 		wgrad := rng.Intn(3) == 0
 		adjacent := !wgrad || rng.Intn(2) == 0
@@ -300,117 +564,56 @@ func TestPropertyRandomSchedules(t *testing.T) {
 		if !wgrad {
 			layers = 1 + rng.Intn(3)
 		}
-		ord := randomOrder(rng, chunks, micro, wgrad, adjacent)
-		p := plan(t, ord, fmt.Sprintf("*%d", layers), chunks*layers, chunks*layers*micro)
-
-		// Each callable has a fixed buffer layout (as a layer does); a few
-		// signatures so that sharing across kinds and layers happens.
-		nsig := 1 + rng.Intn(3)
-		type layout struct{ in, grad []int }
-		lay := make([]layout, p.Callables)
-		for c := range lay {
-			for k := 0; k < 1+rng.Intn(3); k++ {
-				lay[c].in = append(lay[c].in, rng.Intn(nsig))
-			}
-			for k := 0; k < 1+rng.Intn(2); k++ {
-				lay[c].grad = append(lay[c].grad, rng.Intn(nsig))
+		var p *schedule.Plan
+		if rng.Intn(4) == 0 && !wgrad {
+			p = defaultPlan(t, 1+rng.Intn(5), true)
+		} else {
+			p = plan(t, randomOrder(rng, chunks, micro, wgrad, adjacent), fmt.Sprintf("*%d", layers), chunks*layers, chunks*layers*micro)
+		}
+		facts := randomFacts(rng, p, wgrad && p.Ordered)
+		if wgrad && p.Ordered { // a W step needs its pass to have a weight-gradient graph
+			for pass := range facts {
+				facts[pass].Backward, facts[pass].WGrad = true, true
+				facts[pass].Outputs[0].RequiresGrad = true
 			}
 		}
-		callableOf := make([]int, p.Passes)
-		for _, s := range p.Steps {
-			callableOf[s.Pass] = s.Callable
-		}
-		var bufs []Buffer
-		keys := make([]Keys, p.Passes)
-		for pass := 0; pass < p.Passes; pass++ {
-			c := callableOf[pass]
-			for _, s := range lay[c].in {
-				bufs = append(bufs, Buffer{Input, pass, s})
-			}
-			for _, s := range lay[c].grad {
-				bufs = append(bufs, Buffer{GradOutput, pass, s}, Buffer{Output, pass, s})
-			}
-			bufs = append(bufs, Buffer{GradInput, pass, lay[c].in[0]}, Buffer{ParamGrad, pass, nsig})
-			keys[pass] = Keys{Input: c, Grad: c}
-			// equal layouts share keys, as TE's signature tuples would
-			for d := 0; d < c; d++ {
-				if fmt.Sprint(lay[d]) == fmt.Sprint(lay[c]) {
-					keys[pass] = Keys{Input: d, Grad: d}
-					break
-				}
-			}
-		}
-		rng.Shuffle(len(bufs), func(i, j int) { bufs[i], bufs[j] = bufs[j], bufs[i] })
-		r, err := Assign(p, bufs, keys)
+		opt := Options{Reuse: p.Ordered && rng.Intn(2) == 0, Chain: rng.Intn(2) == 0, Release: rng.Intn(3) > 0}
+		prog, err := Capture(p, facts, opt)
 		if err != nil {
-			t.Fatalf("order %v: %v", ord, err)
+			t.Fatalf("schedule %v: %v", p.Steps, err)
 		}
-		if err := assignmentInvariants(p, bufs, r); err != nil {
-			t.Fatalf("order %v layers %d: %v", ord, layers, err)
+		if err := programInvariants(p, facts, prog, opt); err != nil {
+			t.Fatalf("options %+v: %v", opt, err)
 		}
-		if adjacent {
-			for sig, st := range r.Sigs {
+		if opt.Reuse && adjacent && !opt.Chain {
+			for sig, st := range prog.Sigs {
 				if st.Slots > st.TEFifo {
-					t.Fatalf("order %v layers %d: signature %d needs %d slots, TransformerEngine's FIFO %d", ord, layers, sig, st.Slots, st.TEFifo)
+					t.Fatalf("signature %d needs %d slots, TransformerEngine's FIFO %d", sig, st.Slots, st.TEFifo)
 				}
 			}
 		}
 	}
 }
 
-// TestMegatronBench is the bench's schedule (bench/pipeline.py): one rank of
-// 4 stages, 4 chunks x 2 layers, 8 microbatches.
-func TestMegatronBench(t *testing.T) {
-	ord := []float64{}
-	// Megatron's order for pp=4, rank 0, 4 chunks, 8 microbatches.
-	var fwd, bwd []float64
-	for lo := 0; lo < 8; lo += 4 {
-		for c := 0; c < 4; c++ {
-			for m := lo; m < lo+4; m++ {
-				fwd = append(fwd, float64(c+1))
-				bwd = append(bwd, float64(c-4))
-			}
-		}
-	}
-	warm := 18
-	ord = append(ord, fwd[:warm]...)
-	for i := warm; i < len(fwd); i++ {
-		ord = append(ord, fwd[i], bwd[i-warm])
-	}
-	ord = append(ord, bwd[len(bwd)-warm:]...)
-	p := plan(t, ord, "*2", 8, 64)
-	bufs, keys := residual(p)
-	r, err := Assign(p, bufs, keys)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkAssignment(t, p, bufs, r)
-	st := r.Sigs[0]
-	// 19 microbatch-chunks live at the first backward, 2 layers each, plus
-	// the grad output: 39 of 128 buffers.
-	if st.Buffers != 128 || st.Slots != 39 || st.TEFifo != 39 {
-		t.Errorf("sig 0: %+v", *st)
-	}
-}
-
-// FuzzParseBuffers: arbitrary buffer text never panics the parser or the
-// planner, and whatever is accepted yields a plan with the invariants.
-func FuzzParseBuffers(f *testing.F) {
-	f.Add("i 0 0\ng 0 0\no 0 1\nd 0 0\np 0 2\nk 0 0 0\ni 1 0\ng 1 0\n")
-	f.Add("k 1 -1 -1\nd 1 0\n")
-	f.Fuzz(func(t *testing.T, s string) {
+// FuzzPlanCapture: arbitrary facts text never panics the parser or the
+// planner, and whatever is accepted yields a program with the invariants.
+func FuzzPlanCapture(f *testing.F) {
+	f.Add("pass 0 1 0 1 0 0\nin 0 0 1 1 1\nout 0 0 1\npg 0 1 0 2\npass 1 1 0 1 0 0\nin 1 0 1 1 1\nout 1 0 1\n", byte(7))
+	f.Add("pass 1 1 0 0 -1 -1\nout 1 0 1\nin 3 0 1 0 0\n", byte(2))
+	f.Fuzz(func(t *testing.T, s string, flags byte) {
 		p := plan(t, []float64{1, 2, -2, -1, 1, 2, -2, -1}, "", 2, 4)
-		bufs, keys, err := ParseBuffers(s, p.Passes)
+		facts, err := ParseFacts(s, p.Passes)
 		if err != nil {
 			return
 		}
-		r, err := Assign(p, bufs, keys)
+		opt := Options{Reuse: flags&1 != 0, Chain: flags&2 != 0, Release: flags&4 != 0}
+		prog, err := Capture(p, facts, opt)
 		if err != nil {
 			return
 		}
-		if err := assignmentInvariants(p, bufs, r); err != nil {
+		if err := programInvariants(p, facts, prog, opt); err != nil {
 			t.Fatal(err)
 		}
-		_ = r.Encode(bufs)
+		_ = prog.Encode()
 	})
 }

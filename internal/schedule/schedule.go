@@ -17,7 +17,7 @@
 // trips over with a KeyError) and names the offending entry. It knows
 // nothing about tensors or modules: whether a pass needs a weight-gradient
 // graph is learnt in warmup, after planning, so that pairing check is made
-// by the caller with Plan.WGradOf.
+// by the capture planner (internal/lifetime) against what warmup learned.
 package schedule
 
 import (
@@ -222,31 +222,6 @@ func (p *Plan) PassIndex(c, m, l int) int {
 	return p.Prefix(c)*p.Microbatches + m*p.Layers[c-1] + l
 }
 
-// StepOf returns the index in Steps of pass's step of kind, or -1.
-func (p *Plan) StepOf(pass int, kind Kind) int {
-	for i, s := range p.Steps {
-		if s.Pass == pass && s.Kind == kind {
-			return i
-		}
-	}
-	return -1
-}
-
-// WGradOf reports, for every pass, the index of its weight-gradient step (-1
-// when the order has none for it).
-func (p *Plan) WGradOf() []int {
-	out := make([]int, p.Passes)
-	for i := range out {
-		out[i] = -1
-	}
-	for i, s := range p.Steps {
-		if s.Kind == WGrad {
-			out[s.Pass] = i
-		}
-	}
-	return out
-}
-
 // Default is the schedule without an _order, as torch and TransformerEngine
 // capture: every callable's forward in order, then (training) every
 // backward in reverse order. Pass i is callable i.
@@ -419,9 +394,10 @@ func entryName(order []Entry, idx int) string {
 	return fmt.Sprintf("_order entry %d", idx)
 }
 
-// Encode renders p in the compact text form that crosses to Python: a
-// header line, then one line per step: "K pass callable entry chunk layer
-// micro" with K one of F, B, W.
+// Encode renders p for Python, which reads it once to know what each pass
+// runs (the plan itself stays in Go behind a handle): a header line, then
+// one line per step: "K pass callable entry chunk layer micro" with K one of
+// F, B, W.
 func (p *Plan) Encode() string {
 	var b strings.Builder
 	ordered := 0
@@ -442,102 +418,4 @@ func joinInts(xs []int) string {
 		parts[i] = strconv.Itoa(x)
 	}
 	return strings.Join(parts, ",")
-}
-
-// Decode parses Encode's form back and checks that it is self-consistent
-// (every pass has exactly one forward step, at most one backward and one
-// weight-gradient step, in that order). It validates the encoding, not the
-// TransformerEngine rules: a plan that comes back from Python unchanged is
-// one Build produced.
-func Decode(s string) (*Plan, error) {
-	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	if len(lines) == 0 || !strings.HasPrefix(lines[0], "schedule v1 ") {
-		return nil, fmt.Errorf("decode schedule: missing \"schedule v1\" header")
-	}
-	p := &Plan{}
-	for _, kv := range strings.Fields(lines[0])[2:] {
-		k, v, ok := strings.Cut(kv, "=")
-		if !ok {
-			return nil, fmt.Errorf("decode schedule: header field %q is not key=value", kv)
-		}
-		var err error
-		switch k {
-		case "ordered":
-			p.Ordered = v == "1"
-		case "chunks":
-			p.Chunks, err = atoiBounded(v)
-		case "microbatches":
-			p.Microbatches, err = atoiBounded(v)
-		case "callables":
-			p.Callables, err = atoiBounded(v)
-		case "passes":
-			p.Passes, err = atoiBounded(v)
-		case "layers":
-			if v == "" {
-				break
-			}
-			for _, f := range strings.Split(v, ",") {
-				n, e := atoiBounded(f)
-				if e != nil {
-					err = e
-					break
-				}
-				p.Layers = append(p.Layers, n)
-			}
-		}
-		if err != nil {
-			return nil, fmt.Errorf("decode schedule: header field %s: %w", k, err)
-		}
-	}
-	if p.Passes < 1 {
-		return nil, fmt.Errorf("decode schedule: no passes")
-	}
-	seen := make([][3]int, p.Passes) // per pass: step index+1 of F, B, W
-	for i, line := range lines[1:] {
-		f := strings.Fields(line)
-		if len(f) != 7 || len(f[0]) != 1 || !strings.ContainsAny(f[0], "FBW") {
-			return nil, fmt.Errorf("decode schedule: step %d: %q is not \"K pass callable entry chunk layer micro\"", i, line)
-		}
-		var v [6]int
-		for j := range v {
-			n, err := strconv.Atoi(f[j+1])
-			if err != nil || n < -1 || n > MaxChunk {
-				return nil, fmt.Errorf("decode schedule: step %d: field %d (%q) is not a small integer", i, j+1, f[j+1])
-			}
-			v[j] = n
-		}
-		st := Step{Kind: Kind(f[0][0]), Pass: v[0], Callable: v[1], Entry: v[2], Chunk: v[3], Layer: v[4], Micro: v[5]}
-		if st.Pass < 0 || st.Pass >= p.Passes {
-			return nil, fmt.Errorf("decode schedule: step %d: pass %d out of range [0, %d)", i, st.Pass, p.Passes)
-		}
-		slot := map[Kind]int{Forward: 0, Backward: 1, WGrad: 2}[st.Kind]
-		if seen[st.Pass][slot] != 0 {
-			return nil, fmt.Errorf("decode schedule: step %d: pass %d has a second %s step", i, st.Pass, st.Kind)
-		}
-		if st.Kind != Forward && seen[st.Pass][0] == 0 {
-			return nil, fmt.Errorf("decode schedule: step %d: %s of pass %d before its forward", i, st.Kind, st.Pass)
-		}
-		if st.Kind == WGrad && seen[st.Pass][1] == 0 {
-			return nil, fmt.Errorf("decode schedule: step %d: weight-gradient of pass %d before its backward", i, st.Pass)
-		}
-		seen[st.Pass][slot] = len(p.Steps) + 1
-		p.Steps = append(p.Steps, st)
-	}
-	for pass, s := range seen {
-		if s[0] == 0 {
-			return nil, fmt.Errorf("decode schedule: pass %d has no forward step", pass)
-		}
-	}
-	return p, nil
-}
-
-func atoiBounded(s string) (int, error) {
-	n, err := strconv.Atoi(s)
-	if err != nil {
-		return 0, err
-	}
-	if n < 0 || n > MaxChunk {
-		return 0, fmt.Errorf("%d out of range [0, %d]", n, MaxChunk)
-	}
-	return n, nil
 }

@@ -1,11 +1,16 @@
 package state
 
 import (
+	"errors"
 	"testing"
 )
 
+var errFuzzEnd = errors.New("injected driver failure")
+
 // FuzzLifecycle decodes the input as a sequence of two-byte operations on a
 // few pass slots and runs them against a Ledger and a simple model of it.
+// Operations include the capture transaction's failure points (a begin the
+// driver refuses, an end that fails, an abort, a capture left open).
 // Invariants: nothing panics; a pass's observable state matches the model;
 // a pass that is not ready never launches; every graph a pass took is
 // destroyed exactly once (by the end) and no other graph is destroyed; the
@@ -17,11 +22,14 @@ func FuzzLifecycle(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		const slots = 4
 		type model struct {
-			id     int64
-			life   Lifecycle
-			has    [NumKinds]bool
-			graphs [NumKinds]int64
-			refs   int
+			id         int64
+			life       Lifecycle
+			has        [NumKinds]bool
+			graphs     [NumKinds]int64
+			refs       int
+			open       bool
+			openKind   Kind
+			openStream int64
 		}
 		fg := newFakeGraphs()
 		l := NewLedger(fg)
@@ -33,7 +41,7 @@ func FuzzLifecycle(f *testing.F) {
 		// when a destroy failed (case 10), as ResetPass promises.
 		retire := func(s int, n int) {
 			refsOut += n
-			m[s].life, m[s].graphs, m[s].refs = Reset, [NumKinds]int64{}, 0
+			m[s].life, m[s].graphs, m[s].refs, m[s].open = Reset, [NumKinds]int64{}, 0, false
 		}
 
 		for i := 0; i+1 < len(data); i += 2 {
@@ -56,44 +64,66 @@ func FuzzLifecycle(f *testing.F) {
 					t.Fatal(err)
 				}
 				*p = model{id: id}
-			case 1, 2: // attach a fresh graph, or an eager (0) one
-				var g int64
-				if op == 1 {
-					g = fg.create()
+			case 1: // begin a capture (streams 1..slots, or 0 = eager)
+				stream := int64(0)
+				if arg&0x80 == 0 {
+					stream = int64(s + 1)
 				}
-				err := l.AttachGraph(p.id, kind, g)
-				ok := p.id != 0 && kind.valid() && p.life == Building && !p.has[kind]
+				err := l.BeginCapture(p.id, kind, "pool", stream, 0)
+				ok := p.id != 0 && kind.valid() && p.life == Building && !p.has[kind] && !p.open
 				if (err == nil) != ok {
-					t.Fatalf("attach slot %d kind %d: err %v, model ok %v", s, kind, err, ok)
+					t.Fatalf("begin slot %d kind %d: err %v, model ok %v", s, kind, err, ok)
 				}
 				if ok {
-					p.has[kind], p.graphs[kind] = true, g
+					p.open, p.openKind, p.openStream = true, kind, stream
+					p.refs++
+					refsIn++
+				}
+			case 2: // end the open capture
+				if !p.open {
+					if _, err := l.EndCapture(p.id, kind, 1); err == nil {
+						t.Fatal("EndCapture succeeded without an open capture")
+					}
+					continue
+				}
+				if arg&0x80 != 0 { // the driver fails to end it
+					fg.failEnd = errFuzzEnd
+				}
+				_, err := l.EndCapture(p.id, p.openKind, p.openStream)
+				failed := fg.failEnd != nil && p.openStream != 0
+				fg.failEnd = nil
+				if (err != nil) != failed {
+					t.Fatalf("end: err %v, model failed %v", err, failed)
+				}
+				if !failed {
+					g, _ := l.Graph(p.id, p.openKind)
+					if (g != 0) != (p.openStream != 0) {
+						t.Fatalf("end attached graph %d for stream %d", g, p.openStream)
+					}
+					p.has[p.openKind], p.graphs[p.openKind] = true, g
 					if g != 0 {
 						owned[g] = true
 					}
 				}
-			case 3: // try to attach a graph another slot's pass owns
-				o := &m[(s+1)%slots]
-				for k := range o.graphs {
-					if g := o.graphs[k]; g != 0 && o.id != p.id {
-						if err := l.AttachGraph(p.id, kind, g); err == nil {
-							t.Fatalf("graph %d attached to a second pass", g)
-						}
-					}
+				p.open = false
+			case 3: // abort the open capture (or a harmless abort of none)
+				if p.id == 0 {
+					continue
 				}
-			case 4:
-				err := l.AddPoolRef(p.id)
-				ok := p.id != 0 && p.life == Building
-				if (err == nil) != ok {
-					t.Fatalf("add pool ref: err %v, model ok %v", err, ok)
+				if err := l.AbortCapture(p.id, p.openKind, p.openStream); err != nil {
+					t.Fatalf("abort: %v", err)
 				}
-				if ok {
-					p.refs++
-					refsIn++
+				p.open = false
+			case 4: // a begin the driver refuses changes nothing
+				fg.failBegin = errFuzzEnd
+				err := l.BeginCapture(p.id, kind, "pool", int64(s+1), 0)
+				fg.failBegin = nil
+				if err == nil {
+					t.Fatal("BeginCapture succeeded though the driver failed")
 				}
 			case 5:
 				err := l.Seal(p.id)
-				ok := p.id != 0 && p.life == Building
+				ok := p.id != 0 && p.life == Building && !p.open
 				if (err == nil) != ok {
 					t.Fatalf("seal: err %v, model ok %v", err, ok)
 				}

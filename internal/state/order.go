@@ -39,7 +39,8 @@ package state
 // for training do not keep passes open.
 //
 // The check costs nothing for passes without the guard beyond one bool test
-// in Replay; with it, one pool lock and a scan of the open passes.
+// in Replay; with it, one pool lock and a scan of the open passes. Sequence
+// numbers are given by EndCapture (capture.go).
 
 import (
 	"fmt"
@@ -92,54 +93,17 @@ func (p *Pass) name() string {
 	return fmt.Sprintf("graphed callable %d (%q, pass %d)", p.CallableIndex, p.Label, p.ID)
 }
 
-// RecordCapture records that pass id's kind was captured now in pool (a key
-// that identifies the memory pool: all captures that share a pool must give
-// the same key) and returns its sequence number in that pool, from 1. Only
-// while Building, once per kind, and all kinds of a pass in one pool.
-func (l *Ledger) RecordCapture(id int64, kind Kind, pool string) (int, error) {
-	if err := checkKind(kind); err != nil {
-		return 0, err
-	}
-	if pool == "" {
-		return 0, fmt.Errorf("record_capture: empty pool key")
-	}
-	p, err := l.lock(id)
-	if err != nil {
-		return 0, err
-	}
-	defer p.mu.Unlock()
-	switch {
-	case p.Lifecycle == Reset:
-		return 0, p.errReset()
-	case p.Lifecycle != Building:
-		return 0, fmt.Errorf("graphed callable %d (%q) is sealed; cannot record a %s capture", p.CallableIndex, p.Label, kind)
-	case p.Seq[kind] != 0:
-		return 0, fmt.Errorf("graphed callable %d (%q) already recorded a %s capture", p.CallableIndex, p.Label, kind)
-	case p.Pool != "" && p.Pool != pool:
-		return 0, fmt.Errorf("graphed callable %d (%q): its %s capture is in pool %q but its earlier captures are in pool %q; a pass's graphs share one pool", p.CallableIndex, p.Label, kind, pool, p.Pool)
-	}
+// recordSeq gives the locked record's kind, just captured, the next capture
+// sequence number of its pool (joined when its capture began) and returns it.
+func (p *record) recordSeq(kind Kind) int {
 	po := p.order
-	if po == nil {
-		l.mu.Lock()
-		if l.pools == nil {
-			l.pools = make(map[string]*poolOrder)
-		}
-		po = l.pools[pool]
-		if po == nil {
-			po = &poolOrder{key: pool, next: 1}
-			l.pools[pool] = po
-		}
-		po.refs++
-		l.mu.Unlock()
-		p.order, p.Pool = po, pool
-	}
 	po.mu.Lock()
 	seq := po.next
 	po.next++
 	po.mu.Unlock()
 	p.Seq[kind] = seq
 	p.addToChain(kind)
-	return seq, nil
+	return seq
 }
 
 // CaptureSeq returns the capture sequence number of pass id's kind in its

@@ -61,12 +61,7 @@ func (fx *orderFixture) capture(t testing.TB, pool string, captures []step, ungu
 			fx.ids[c.pass] = id
 			names = append(names, c.pass)
 		}
-		if err := fx.l.AttachGraph(id, c.kind, fx.fg.create()); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := fx.l.RecordCapture(id, c.kind, pool); err != nil {
-			t.Fatal(err)
-		}
+		capture(t, fx.l, id, c.kind, pool, 7)
 	}
 	skip := map[string]bool{}
 	for _, u := range unguarded {
@@ -268,36 +263,22 @@ func TestSharedPoolAcrossBuildsContinuesTheSequence(t *testing.T) {
 	}
 }
 
-func TestRecordCaptureErrors(t *testing.T) {
+func TestCaptureOrderErrors(t *testing.T) {
 	fg := newFakeGraphs()
 	l := NewLedger(fg)
 	id, _ := l.NewPass(0, "fc")
 	wantErr(t, l.SetOrderCheck(id, true), "has no recorded capture")
-	_, err := l.RecordCapture(id, Forward, "")
-	wantErr(t, err, "empty pool key")
-	_, err = l.RecordCapture(id, 4, "p")
-	wantErr(t, err, "unknown graph kind 4")
-	_, err = l.RecordCapture(99, Forward, "p")
-	wantErr(t, err, "unknown pass 99")
-	if seq, err := l.RecordCapture(id, Forward, "p"); seq != 1 || err != nil {
-		t.Fatalf("RecordCapture = %d, %v", seq, err)
+	if _, seq := capture(t, l, id, Forward, "p", 0); seq != 1 {
+		t.Fatalf("first capture seq = %d", seq)
 	}
-	_, err = l.RecordCapture(id, Forward, "p")
-	wantErr(t, err, "already recorded a forward capture")
-	_, err = l.RecordCapture(id, Backward, "q")
-	wantErr(t, err, `its backward capture is in pool "q" but its earlier captures are in pool "p"`)
 	must(t, l.SetOrderCheck(id, true))
 	must(t, l.Seal(id))
-	_, err = l.RecordCapture(id, Backward, "p")
-	wantErr(t, err, "is sealed; cannot record a backward capture")
 	if _, err := l.ResetPass(id); err != nil {
 		t.Fatal(err)
 	}
-	_, err = l.RecordCapture(id, Backward, "p")
-	wantErr(t, err, "was reset")
 	wantErr(t, l.SetOrderCheck(id, true), "was reset")
 	must(t, l.SetOrderCheck(id, false))
-	_, _, err = l.CaptureSeq(id, 9)
+	_, _, err := l.CaptureSeq(id, 9)
 	wantErr(t, err, "unknown graph kind 9")
 }
 
@@ -332,16 +313,10 @@ func TestReplayOrderConcurrent(t *testing.T) {
 		ids := make([]int64, layers)
 		for i := range ids {
 			ids[i], _ = l.NewPass(i, "layer")
-			must(t, l.AttachGraph(ids[i], Forward, fg.create()))
-			must(t, l.AttachGraph(ids[i], Backward, fg.create()))
-		}
-		for _, id := range ids {
-			_, err := l.RecordCapture(id, Forward, pool)
-			must(t, err)
+			capture(t, l, ids[i], Forward, pool, int64(pi+1))
 		}
 		for i := layers - 1; i >= 0; i-- {
-			_, err := l.RecordCapture(ids[i], Backward, pool)
-			must(t, err)
+			capture(t, l, ids[i], Backward, pool, int64(pi+1))
 		}
 		for _, id := range ids {
 			must(t, l.SetOrderCheck(id, true))
@@ -392,12 +367,10 @@ func BenchmarkReplayOrderGuard(b *testing.B) {
 			ids := make([]int64, layers)
 			for i := range ids {
 				ids[i], _ = l.NewPass(i, "layer")
-				_ = l.AttachGraph(ids[i], Forward, 0)
-				_ = l.AttachGraph(ids[i], Backward, 0)
-				_, _ = l.RecordCapture(ids[i], Forward, "p")
+				capture(b, l, ids[i], Forward, "p", 0)
 			}
 			for i := layers - 1; i >= 0; i-- {
-				_, _ = l.RecordCapture(ids[i], Backward, "p")
+				capture(b, l, ids[i], Backward, "p", 0)
 			}
 			for _, id := range ids {
 				if guarded {

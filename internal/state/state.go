@@ -73,9 +73,14 @@ func (l Lifecycle) String() string {
 	return fmt.Sprintf("Lifecycle(%d)", int(l))
 }
 
-// Graphs frees and launches graphs by handle; the cudagraph registry
-// satisfies it. Handle 0 never reaches it: it stands for "nothing to launch".
+// Graphs captures, launches and frees graphs by handle; the cudagraph registry
+// satisfies it (its methods are the capture engine's). Handle 0 never
+// reaches it: it stands for "nothing to launch", and stream 0 for "nothing to
+// capture" (the eager engine), so neither is ever passed down.
 type Graphs interface {
+	BeginCapture(stream int64, mode int) error
+	EndCapture(stream int64) (graph int64, err error)
+	AbortCapture(stream int64) error
 	Launch(graph, stream int64) error
 	Destroy(graph int64) error
 }
@@ -92,43 +97,49 @@ type Pass struct {
 	Pool          string        // key of the pool its captures were recorded in (order.go)
 	Seq           [NumKinds]int // capture sequence number in Pool by Kind; 0 = not recorded
 	CheckOrder    bool          // the replay-order guard is on (order.go)
+	ResetErr      string        // why the last reset failed to destroy a graph ("" none)
 }
 
 // record is a Pass in the ledger, with the lock that guards it.
 type record struct {
 	mu sync.Mutex
 	Pass
-	order  *poolOrder     // capture order of Pool; nil until a capture is recorded
+	order  *poolOrder     // capture order of Pool; nil until a capture begins
 	chain  [NumKinds]Kind // recorded kinds in capture order (order.go)
 	nchain int
+	open   openCapture // the capture underway (capture.go)
 }
 
 func (p *Pass) errReset() error {
 	return fmt.Errorf("graphed callable %d (%q) was reset; call make_graphed_callables again to graph it anew", p.CallableIndex, p.Label)
 }
 
-// Ledger holds the pass records by id (from 1, never reused). It is safe for
-// concurrent use: the ledger's lock guards only the id map and graph
-// ownership, and each record has its own lock, so replays of different passes
-// never wait on each other while a replay and a reset of the same pass are
-// strictly ordered. Lock order is record, then ledger.
+// Ledger holds the pass records by id (from 1, never reused) and counts the
+// memory-pool references they hold, per pool. It is safe for concurrent use:
+// the ledger's lock guards only its maps, and each record has its own lock,
+// so replays of different passes never wait on each other while a replay and
+// a reset of the same pass are strictly ordered. Lock order is record, then
+// ledger, then pool.
 type Ledger struct {
 	graphs Graphs
 
-	mu     sync.Mutex
-	passes map[int64]*record
-	owner  map[int64]int64 // graph handle -> id of the pass that owns it
-	next   int64
-	pools  map[string]*poolOrder // capture order by pool key (order.go)
+	mu       sync.Mutex
+	passes   map[int64]*record
+	owner    map[int64]int64 // graph handle -> id of the pass that owns it
+	next     int64
+	pools    map[string]*poolOrder // capture order by pool key (order.go)
+	poolRefs map[string]int        // pool references held by live records, by pool key
 }
 
 // NewLedger returns an empty ledger that frees and launches through g.
 func NewLedger(g Graphs) *Ledger {
 	return &Ledger{
-		graphs: recoverGraphs(g), // a panic in g comes back as its call's error (recover.go)
-		passes: make(map[int64]*record),
-		owner:  make(map[int64]int64),
-		next:   1,
+		graphs:   recoverGraphs(g), // a panic in g comes back as its call's error (recover.go)
+		passes:   make(map[int64]*record),
+		owner:    make(map[int64]int64),
+		next:     1,
+		pools:    make(map[string]*poolOrder),
+		poolRefs: make(map[string]int),
 	}
 }
 
@@ -159,18 +170,8 @@ func (l *Ledger) NewPass(callableIndex int, label string) (int64, error) {
 	return id, nil
 }
 
-// AttachGraph gives pass id ownership of graph for kind. graph 0 records a
-// kind with nothing to launch (the eager engine). Only while Building, once
-// per kind, and never a graph another pass owns: a graph destroyed by one
-// pass's reset must not be launched by another's. On error the caller still
-// owns graph.
-func (l *Ledger) AttachGraph(id int64, kind Kind, graph int64) error {
-	if err := checkKind(kind); err != nil {
-		return err
-	}
-	if graph < 0 {
-		return fmt.Errorf("invalid graph handle %d", graph)
-	}
+// Seal moves pass id from Building to Ready.
+func (l *Ledger) Seal(id int64) error {
 	p, err := l.lock(id)
 	if err != nil {
 		return err
@@ -179,56 +180,10 @@ func (l *Ledger) AttachGraph(id int64, kind Kind, graph int64) error {
 	switch {
 	case p.Lifecycle == Reset:
 		return p.errReset()
-	case p.Lifecycle != Building:
-		return fmt.Errorf("graphed callable %d (%q) is sealed; cannot attach a %s graph", p.CallableIndex, p.Label, kind)
-	case p.Has[kind]:
-		return fmt.Errorf("graphed callable %d (%q) already has a %s graph", p.CallableIndex, p.Label, kind)
-	}
-	if graph != 0 {
-		l.mu.Lock()
-		other, taken := l.owner[graph]
-		if !taken {
-			l.owner[graph] = id
-		}
-		l.mu.Unlock()
-		if taken {
-			return fmt.Errorf("graph %d is already owned by pass %d; a graph belongs to exactly one pass", graph, other)
-		}
-	}
-	p.Graphs[kind], p.Has[kind] = graph, true
-	return nil
-}
-
-// AddPoolRef records that pass id took one reference on its memory pool
-// (one per capture). Only while Building.
-func (l *Ledger) AddPoolRef(id int64) error {
-	p, err := l.lock(id)
-	if err != nil {
-		return err
-	}
-	defer p.mu.Unlock()
-	switch p.Lifecycle {
-	case Reset:
-		return p.errReset()
-	case Ready:
-		return fmt.Errorf("graphed callable %d (%q) is sealed; cannot take a pool reference", p.CallableIndex, p.Label)
-	}
-	p.PoolRefs++
-	return nil
-}
-
-// Seal moves pass id from Building to Ready.
-func (l *Ledger) Seal(id int64) error {
-	p, err := l.lock(id)
-	if err != nil {
-		return err
-	}
-	defer p.mu.Unlock()
-	switch p.Lifecycle {
-	case Reset:
-		return p.errReset()
-	case Ready:
+	case p.Lifecycle == Ready:
 		return fmt.Errorf("graphed callable %d (%q) is already sealed", p.CallableIndex, p.Label)
+	case p.open.active:
+		return fmt.Errorf("graphed callable %d (%q): its %s capture is still open; end or abort it before sealing", p.CallableIndex, p.Label, p.open.kind)
 	}
 	p.Lifecycle = Ready
 	return nil
@@ -306,9 +261,10 @@ func (l *Ledger) Snapshot(id int64) (Pass, error) {
 // ResetPass destroys every graph pass id owns, moves it to Reset and returns
 // how many pool references the caller must now release (then zeroes them, so
 // a second call returns 0 and nil). It works from Building too, for a capture
-// that failed half way. If a graph fails to be destroyed the others are still
-// destroyed, the pass is still reset and its pool references still returned,
-// alongside the first error: a graph is never destroyed twice.
+// that failed half way (a capture still open is aborted first). If a graph
+// fails to be destroyed the others are still destroyed, the pass is still
+// reset and its pool references still returned, alongside the first error
+// (also kept as the record's ResetErr): a graph is never destroyed twice.
 func (l *Ledger) ResetPass(id int64) (int, error) {
 	p, err := l.lock(id)
 	if err != nil {
@@ -321,6 +277,11 @@ func (l *Ledger) ResetPass(id int64) (int, error) {
 // reset does ResetPass's work on a locked record.
 func (l *Ledger) reset(p *record) (int, error) {
 	var first error
+	if p.open.active {
+		// A capture the caller never ended (it failed on the Python side
+		// before it could abort): end it so the stream is usable again.
+		first = l.abortOpen(p)
+	}
 	var destroyed []int64
 	for k := Kind(0); k < NumKinds; k++ {
 		g := p.Graphs[k]
@@ -346,6 +307,16 @@ func (l *Ledger) reset(p *record) (int, error) {
 	}
 	refs := p.PoolRefs
 	p.PoolRefs = 0
+	if refs > 0 {
+		l.mu.Lock()
+		if l.poolRefs[p.Pool] -= refs; l.poolRefs[p.Pool] <= 0 {
+			delete(l.poolRefs, p.Pool)
+		}
+		l.mu.Unlock()
+	}
+	if first != nil {
+		p.ResetErr = first.Error()
+	}
 	return refs, first
 }
 
@@ -375,9 +346,35 @@ func (l *Ledger) DropPass(id int64) (int, error) {
 	return l.reset(p)
 }
 
+// PoolRefs returns how many references the live records hold on pool (by
+// key): what the caller's allocator must still be holding for them.
+func (l *Ledger) PoolRefs(pool string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.poolRefs[pool]
+}
+
+// ResetError returns why pass id's last reset failed to destroy a graph, or
+// "" when it did not fail (or the pass was never reset).
+func (l *Ledger) ResetError(id int64) (string, error) {
+	p, err := l.lock(id)
+	if err != nil {
+		return "", err
+	}
+	defer p.mu.Unlock()
+	return p.ResetErr, nil
+}
+
 // LivePasses returns how many records exist (not dropped).
 func (l *Ledger) LivePasses() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.passes)
+}
+
+// Owner returns the id of the pass that owns graph, or 0 when none does.
+func (l *Ledger) Owner(graph int64) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.owner[graph]
 }

@@ -8,35 +8,71 @@ import (
 	"testing"
 )
 
-// fakeGraphs stands in for the cudagraph registry. It hands out graph
-// handles, counts launches and destroys per handle, and records violations:
-// launching or destroying a graph that is not alive.
+// fakeGraphs stands in for the cudagraph registry. It captures (a stream's
+// EndCapture hands out a new graph handle), counts launches and destroys per
+// handle, and records violations: launching or destroying a graph that is
+// not alive, ending a stream that is not capturing, beginning one twice.
 type fakeGraphs struct {
 	mu          sync.Mutex
 	next        int64
 	live        map[int64]bool
+	capturing   map[int64]bool
 	destroyed   map[int64]int
 	launches    map[int64]int
+	aborts      int
 	violations  []string
 	failDestroy map[int64]bool
 	failLaunch  error
+	failBegin   error
+	failEnd     error
 }
 
 func newFakeGraphs() *fakeGraphs {
 	return &fakeGraphs{
 		live:        make(map[int64]bool),
+		capturing:   make(map[int64]bool),
 		destroyed:   make(map[int64]int),
 		launches:    make(map[int64]int),
 		failDestroy: make(map[int64]bool),
 	}
 }
 
-func (f *fakeGraphs) create() int64 {
+func (f *fakeGraphs) BeginCapture(stream int64, mode int) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.failBegin != nil {
+		return f.failBegin
+	}
+	if f.capturing[stream] {
+		f.violations = append(f.violations, fmt.Sprintf("stream %d began capturing twice", stream))
+		return fmt.Errorf("begin_capture: stream %d is already capturing", stream)
+	}
+	f.capturing[stream] = true
+	return nil
+}
+
+func (f *fakeGraphs) EndCapture(stream int64) (int64, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.capturing[stream] {
+		f.violations = append(f.violations, fmt.Sprintf("end of stream %d, which is not capturing", stream))
+		return 0, fmt.Errorf("end_capture: stream %d is not capturing", stream)
+	}
+	delete(f.capturing, stream)
+	if f.failEnd != nil {
+		return 0, f.failEnd // the registry destroys what the driver produced
+	}
 	f.next++
 	f.live[f.next] = true
-	return f.next
+	return f.next, nil
+}
+
+func (f *fakeGraphs) AbortCapture(stream int64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.capturing, stream)
+	f.aborts++
+	return nil
 }
 
 func (f *fakeGraphs) Launch(g, stream int64) error {
@@ -76,6 +112,28 @@ func (f *fakeGraphs) check(t testing.TB) {
 	if len(f.violations) > 0 {
 		t.Fatalf("graph misuse: %v", f.violations)
 	}
+	if len(f.capturing) > 0 {
+		t.Fatalf("streams left capturing: %v", f.capturing)
+	}
+}
+
+// capture runs one successful capture transaction of pass id's kind in pool
+// on stream (0: eager, nothing captured) and returns the attached graph
+// handle and the capture's sequence number.
+func capture(t testing.TB, l *Ledger, id int64, kind Kind, pool string, stream int64) (int64, int) {
+	t.Helper()
+	if err := l.BeginCapture(id, kind, pool, stream, 0); err != nil {
+		t.Fatal(err)
+	}
+	seq, err := l.EndCapture(id, kind, stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, err := l.Graph(id, kind)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g, seq
 }
 
 // replayErr is Replay for tests that only look at the error.
@@ -109,11 +167,14 @@ func TestPassLifecycle(t *testing.T) {
 	if id != 1 {
 		t.Fatalf("first pass id = %d, want 1", id)
 	}
-	fwd, bwd := f.create(), f.create()
-	must(t, l.AttachGraph(id, Forward, fwd))
-	must(t, l.AttachGraph(id, Backward, bwd))
-	must(t, l.AddPoolRef(id))
-	must(t, l.AddPoolRef(id))
+	fwd, seq1 := capture(t, l, id, Forward, "pool", 5)
+	bwd, seq2 := capture(t, l, id, Backward, "pool", 5)
+	if fwd == 0 || bwd == 0 || fwd == bwd || seq1 != 1 || seq2 != 2 {
+		t.Fatalf("captures gave graphs %d, %d and seqs %d, %d", fwd, bwd, seq1, seq2)
+	}
+	if n := l.PoolRefs("pool"); n != 2 {
+		t.Fatalf("PoolRefs = %d, want 2 (one per capture)", n)
+	}
 	wantErr(t, replayErr(l, id, Forward, 7), `graphed callable 3 ("layer3") is still being captured`)
 	if st, _ := l.State(id); st != Building || st.String() != "building" {
 		t.Fatalf("state = %v", st)
@@ -131,19 +192,16 @@ func TestPassLifecycle(t *testing.T) {
 		t.Fatalf("launches = %v", f.launches)
 	}
 	wantErr(t, replayErr(l, id, WGrad, 7), `graphed callable 3 ("layer3") has no wgrad graph`)
-	if g, _ := l.Graph(id, Backward); g != bwd {
-		t.Fatalf("Graph(backward) = %d, want %d", g, bwd)
-	}
 	snap, err := l.Snapshot(id)
 	must(t, err)
-	if snap.PoolRefs != 2 || snap.Label != "layer3" || !snap.Has[Forward] || snap.Has[WGrad] {
+	if snap.PoolRefs != 2 || snap.Label != "layer3" || !snap.Has[Forward] || snap.Has[WGrad] || snap.Pool != "pool" {
 		t.Fatalf("snapshot = %+v", snap)
 	}
 
 	refs, err := l.ResetPass(id)
 	must(t, err)
-	if refs != 2 {
-		t.Fatalf("ResetPass returned %d refs, want 2", refs)
+	if refs != 2 || l.PoolRefs("pool") != 0 {
+		t.Fatalf("ResetPass returned %d refs (pool left with %d), want 2 (0)", refs, l.PoolRefs("pool"))
 	}
 	if f.destroyed[fwd] != 1 || f.destroyed[bwd] != 1 {
 		t.Fatalf("destroyed = %v", f.destroyed)
@@ -154,9 +212,6 @@ func TestPassLifecycle(t *testing.T) {
 		if err == nil || err.Error() != resetMsg {
 			t.Fatalf("replay after reset: %v", err)
 		}
-	}
-	if st, _ := l.State(id); st.String() != "reset" {
-		t.Fatalf("state = %v", st)
 	}
 	if g, _ := l.Graph(id, Forward); g != 0 {
 		t.Fatalf("a reset pass still names graph %d", g)
@@ -169,6 +224,95 @@ func TestPassLifecycle(t *testing.T) {
 		t.Fatalf("second reset destroyed again: %v", f.destroyed)
 	}
 	f.check(t)
+}
+
+// TestCaptureTransaction walks every failure point of one capture and checks
+// what the ledger holds afterwards: pool references (on the pass and the
+// pool), the attached graph, the stream's capture state.
+func TestCaptureTransaction(t *testing.T) {
+	boom := errors.New("cuStreamBeginCapture: CUDA_ERROR_ILLEGAL_STATE (401): boom")
+	tests := []struct {
+		name     string
+		do       func(*testing.T, *Ledger, *fakeGraphs, int64) error
+		want     string // "" = success
+		refs     int    // pool references the pass holds after
+		attached bool   // a forward graph is attached after
+		aborts   int
+	}{
+		{"success", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			must(t, l.BeginCapture(id, Forward, "p", 9, 0))
+			_, err := l.EndCapture(id, Forward, 9)
+			return err
+		}, "", 1, true, 0},
+		{"begin fails: nothing changes", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			f.failBegin = boom
+			return l.BeginCapture(id, Forward, "p", 9, 0)
+		}, `graphed callable 0 ("fc"): beginning its forward capture: cuStreamBeginCapture`, 0, false, 0},
+		{"body fails: abort keeps the reference", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			must(t, l.BeginCapture(id, Forward, "p", 9, 0))
+			must(t, l.AbortCapture(id, Forward, 9))
+			return l.AbortCapture(id, Forward, 9) // twice: harmless
+		}, "", 1, false, 1},
+		{"end fails: nothing attached, reference kept", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			must(t, l.BeginCapture(id, Forward, "p", 9, 0))
+			f.failEnd = errors.New("end_capture: cuStreamEndCapture: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901)")
+			_, err := l.EndCapture(id, Forward, 9)
+			return err
+		}, `graphed callable 0 ("fc"): ending its forward capture: end_capture: cuStreamEndCapture: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, 1, false, 0},
+		{"end without begin", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			_, err := l.EndCapture(id, Forward, 9)
+			return err
+		}, `graphed callable 0 ("fc") has no forward capture open on stream 9`, 0, false, 0},
+		{"end of another kind", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			must(t, l.BeginCapture(id, Forward, "p", 9, 0))
+			_, err := l.EndCapture(id, Backward, 9)
+			must(t, l.AbortCapture(id, Forward, 9))
+			return err
+		}, `has no backward capture open on stream 9`, 1, false, 1},
+		{"second begin while open", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			must(t, l.BeginCapture(id, Forward, "p", 9, 0))
+			err := l.BeginCapture(id, Backward, "p", 9, 0)
+			must(t, l.AbortCapture(id, Forward, 9))
+			return err
+		}, `its forward capture is still open; end or abort it before capturing its backward`, 1, false, 1},
+		{"reset aborts an open capture", func(t *testing.T, l *Ledger, f *fakeGraphs, id int64) error {
+			must(t, l.BeginCapture(id, Forward, "p", 9, 0))
+			n, err := l.ResetPass(id)
+			if n != 1 {
+				t.Errorf("reset returned %d refs", n)
+			}
+			return err
+		}, "", 0, false, 1},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFakeGraphs()
+			l := NewLedger(f)
+			id, _ := l.NewPass(0, "fc")
+			err := tc.do(t, l, f, id)
+			if tc.want == "" {
+				must(t, err)
+			} else {
+				wantErr(t, err, tc.want)
+			}
+			snap, _ := l.Snapshot(id)
+			if snap.PoolRefs != tc.refs || l.PoolRefs("p") != tc.refs {
+				t.Errorf("refs: pass %d, pool %d; want %d", snap.PoolRefs, l.PoolRefs("p"), tc.refs)
+			}
+			if snap.Has[Forward] != tc.attached || (snap.Graphs[Forward] != 0) != tc.attached {
+				t.Errorf("attached = %v (graph %d), want %v", snap.Has[Forward], snap.Graphs[Forward], tc.attached)
+			}
+			if f.aborts != tc.aborts {
+				t.Errorf("aborts = %d, want %d", f.aborts, tc.aborts)
+			}
+			n, err := l.DropPass(id)
+			must(t, err)
+			if n != snap.PoolRefs || l.PoolRefs("p") != 0 {
+				t.Errorf("drop handed back %d refs (pool left %d), want %d", n, l.PoolRefs("p"), snap.PoolRefs)
+			}
+			f.check(t)
+		})
+	}
 }
 
 func TestErrors(t *testing.T) {
@@ -184,34 +328,29 @@ func TestErrors(t *testing.T) {
 		l := NewLedger(f)
 		e := env{l: l, f: f}
 		e.id, _ = l.NewPass(0, "fc1")
-		must(t, l.AttachGraph(e.id, Forward, f.create()))
+		capture(t, l, e.id, Forward, "p", 1)
 		e.sealed, _ = l.NewPass(1, "fc2")
-		must(t, l.AttachGraph(e.sealed, Forward, f.create()))
+		capture(t, l, e.sealed, Forward, "p", 1)
 		must(t, l.Seal(e.sealed))
 		e.reset, _ = l.NewPass(2, "fc3")
 		_, err := l.ResetPass(e.reset)
 		must(t, err)
 		return e
 	}
+	begin := func(e env, id int64, k Kind, pool string) error { return e.l.BeginCapture(id, k, pool, 0, 0) }
 	tests := []struct {
 		name string
 		do   func(env) error
 		want string
 	}{
 		{"negative callable index", func(e env) error { _, err := e.l.NewPass(-1, "x"); return err }, "callable index -1 is negative"},
-		{"attach unknown pass", func(e env) error { return e.l.AttachGraph(99, Forward, 0) }, "unknown pass 99"},
-		{"attach unknown kind", func(e env) error { return e.l.AttachGraph(e.id, 3, 0) }, "unknown graph kind 3 (want 0 forward, 1 backward or 2 wgrad)"},
-		{"attach negative handle", func(e env) error { return e.l.AttachGraph(e.id, Backward, -4) }, "invalid graph handle -4"},
-		{"attach kind twice", func(e env) error { return e.l.AttachGraph(e.id, Forward, 0) }, `graphed callable 0 ("fc1") already has a forward graph`},
-		{"attach after seal", func(e env) error { return e.l.AttachGraph(e.sealed, Backward, 0) }, `graphed callable 1 ("fc2") is sealed; cannot attach a backward graph`},
-		{"attach after reset", func(e env) error { return e.l.AttachGraph(e.reset, Forward, 0) }, `graphed callable 2 ("fc3") was reset; call make_graphed_callables again to graph it anew`},
-		{"attach another pass's graph", func(e env) error {
-			g, _ := e.l.Graph(e.sealed, Forward)
-			return e.l.AttachGraph(e.id, Backward, g)
-		}, "graph 2 is already owned by pass 2; a graph belongs to exactly one pass"},
-		{"pool ref unknown pass", func(e env) error { return e.l.AddPoolRef(0) }, "unknown pass 0"},
-		{"pool ref after seal", func(e env) error { return e.l.AddPoolRef(e.sealed) }, `graphed callable 1 ("fc2") is sealed; cannot take a pool reference`},
-		{"pool ref after reset", func(e env) error { return e.l.AddPoolRef(e.reset) }, "was reset"},
+		{"capture unknown pass", func(e env) error { return begin(e, 99, Forward, "p") }, "unknown pass 99"},
+		{"capture unknown kind", func(e env) error { return begin(e, e.id, 3, "p") }, "unknown graph kind 3 (want 0 forward, 1 backward or 2 wgrad)"},
+		{"capture empty pool", func(e env) error { return begin(e, e.id, Backward, "") }, "empty pool key"},
+		{"capture kind twice", func(e env) error { return begin(e, e.id, Forward, "p") }, `graphed callable 0 ("fc1") already has a forward graph`},
+		{"capture after seal", func(e env) error { return begin(e, e.sealed, Backward, "p") }, `graphed callable 1 ("fc2") is sealed; cannot capture a backward graph`},
+		{"capture after reset", func(e env) error { return begin(e, e.reset, Forward, "p") }, `graphed callable 2 ("fc3") was reset; call make_graphed_callables again to graph it anew`},
+		{"capture in another pool", func(e env) error { return begin(e, e.id, Backward, "q") }, `its backward capture is in pool "q" but its earlier captures are in pool "p"`},
 		{"seal unknown pass", func(e env) error { return e.l.Seal(42) }, "unknown pass 42"},
 		{"seal twice", func(e env) error { return e.l.Seal(e.sealed) }, `graphed callable 1 ("fc2") is already sealed`},
 		{"seal after reset", func(e env) error { return e.l.Seal(e.reset) }, "was reset"},
@@ -227,6 +366,7 @@ func TestErrors(t *testing.T) {
 		{"graph unknown kind", func(e env) error { _, err := e.l.Graph(e.id, -1); return err }, "unknown graph kind -1"},
 		{"graph unknown pass", func(e env) error { _, err := e.l.Graph(5, Forward); return err }, "unknown pass 5"},
 		{"reset unknown pass", func(e env) error { _, err := e.l.ResetPass(5); return err }, "unknown pass 5"},
+		{"reset error unknown pass", func(e env) error { _, err := e.l.ResetError(5); return err }, "unknown pass 5"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -241,8 +381,11 @@ func TestEagerPass(t *testing.T) {
 	f := newFakeGraphs()
 	l := NewLedger(f)
 	id, _ := l.NewPass(0, "eager")
-	must(t, l.AttachGraph(id, Forward, 0))
-	must(t, l.AttachGraph(id, Backward, 0))
+	for _, k := range []Kind{Forward, Backward} {
+		if g, seq := capture(t, l, id, k, "eager/1", 0); g != 0 || seq != int(k)+1 {
+			t.Fatalf("eager capture of %v = graph %d, seq %d", k, g, seq)
+		}
+	}
 	must(t, l.Seal(id))
 	for _, k := range []Kind{Forward, Backward} {
 		if launched, err := l.Replay(id, k, 0); launched || err != nil { // nothing to launch
@@ -250,26 +393,25 @@ func TestEagerPass(t *testing.T) {
 		}
 	}
 	wantErr(t, replayErr(l, id, WGrad, 0), "has no wgrad graph")
-	if len(f.launches) != 0 {
-		t.Fatalf("eager pass launched %v", f.launches)
+	if len(f.launches) != 0 || len(f.live) != 0 {
+		t.Fatalf("eager pass launched %v / created %v", f.launches, f.live)
 	}
 	refs, err := l.ResetPass(id)
-	if refs != 0 || err != nil || len(f.destroyed) != 0 {
+	if refs != 2 || err != nil || len(f.destroyed) != 0 {
 		t.Fatalf("reset = %d, %v; destroyed %v", refs, err, f.destroyed)
 	}
+	f.check(t)
 }
 
 func TestResetFromBuilding(t *testing.T) {
 	f := newFakeGraphs()
 	l := NewLedger(f)
 	id, _ := l.NewPass(0, "half")
-	g := f.create()
-	must(t, l.AttachGraph(id, Forward, g))
-	must(t, l.AddPoolRef(id))
-	must(t, l.AddPoolRef(id))
+	g, _ := capture(t, l, id, Forward, "p", 3)
+	must(t, l.BeginCapture(id, Backward, "p", 3, 0)) // its body failed and nothing aborted it
 	refs, err := l.ResetPass(id)
-	if refs != 2 || err != nil || f.destroyed[g] != 1 {
-		t.Fatalf("reset = %d, %v; destroyed %v", refs, err, f.destroyed)
+	if refs != 2 || err != nil || f.destroyed[g] != 1 || f.aborts != 1 {
+		t.Fatalf("reset = %d, %v; destroyed %v, aborts %d", refs, err, f.destroyed, f.aborts)
 	}
 	wantErr(t, l.Seal(id), "was reset")
 	f.check(t)
@@ -279,18 +421,22 @@ func TestResetContinuesPastDestroyFailure(t *testing.T) {
 	f := newFakeGraphs()
 	l := NewLedger(f)
 	id, _ := l.NewPass(4, "moe")
-	gs := []int64{f.create(), f.create(), f.create()}
-	for k, g := range gs {
-		must(t, l.AttachGraph(id, Kind(k), g))
+	var gs []int64
+	for k := Forward; k < NumKinds; k++ {
+		g, _ := capture(t, l, id, k, "p", 2)
+		gs = append(gs, g)
 	}
-	must(t, l.AddPoolRef(id))
 	must(t, l.Seal(id))
 	f.failDestroy[gs[0]] = true
 	f.failDestroy[gs[1]] = true
 	refs, err := l.ResetPass(id)
-	wantErr(t, err, `graphed callable 4 ("moe"): destroying its forward graph: destroy_graph: cuGraphExecDestroy`)
-	if refs != 1 {
-		t.Fatalf("refs = %d, want 1 even though a destroy failed", refs)
+	const want = `graphed callable 4 ("moe"): destroying its forward graph: destroy_graph: cuGraphExecDestroy`
+	wantErr(t, err, want)
+	if refs != 3 || l.PoolRefs("p") != 0 {
+		t.Fatalf("refs = %d (pool %d), want 3 (0) even though a destroy failed", refs, l.PoolRefs("p"))
+	}
+	if msg, _ := l.ResetError(id); !strings.Contains(msg, want) {
+		t.Fatalf("ResetError = %q", msg)
 	}
 	for _, g := range gs {
 		if f.destroyed[g] != 1 {
@@ -307,14 +453,38 @@ func TestResetContinuesPastDestroyFailure(t *testing.T) {
 	f.check(t)
 }
 
+func TestPoolRefsPerPool(t *testing.T) {
+	f := newFakeGraphs()
+	l := NewLedger(f)
+	a, _ := l.NewPass(0, "a")
+	b, _ := l.NewPass(1, "b")
+	c, _ := l.NewPass(2, "c")
+	capture(t, l, a, Forward, "p", 0)
+	capture(t, l, a, Backward, "p", 0)
+	capture(t, l, b, Forward, "p", 0)
+	capture(t, l, c, Forward, "q", 0)
+	for pool, want := range map[string]int{"p": 3, "q": 1, "r": 0} {
+		if n := l.PoolRefs(pool); n != want {
+			t.Errorf("PoolRefs(%q) = %d, want %d", pool, n, want)
+		}
+	}
+	if n, _ := l.ResetPass(a); n != 2 || l.PoolRefs("p") != 1 {
+		t.Fatalf("reset a: %d refs, pool p left %d", n, l.PoolRefs("p"))
+	}
+	if n, _ := l.DropPass(b); n != 1 || l.PoolRefs("p") != 0 || l.PoolRefs("q") != 1 {
+		t.Fatalf("drop b: %d refs, pools p %d q %d", n, l.PoolRefs("p"), l.PoolRefs("q"))
+	}
+	if n, _ := l.DropPass(c); n != 1 || len(l.poolRefs) != 0 {
+		t.Fatalf("drop c: %d refs, pools left %v", n, l.poolRefs)
+	}
+}
+
 func TestDropPass(t *testing.T) {
 	f := newFakeGraphs()
 	l := NewLedger(f)
 	a, _ := l.NewPass(0, "a")
 	b, _ := l.NewPass(1, "b")
-	g := f.create()
-	must(t, l.AttachGraph(a, Forward, g))
-	must(t, l.AddPoolRef(a))
+	g, _ := capture(t, l, a, Forward, "p", 4)
 	if n := l.LivePasses(); n != 2 {
 		t.Fatalf("LivePasses = %d", n)
 	}
@@ -352,10 +522,9 @@ func TestConcurrent(t *testing.T) {
 	var refsIn int
 	for i := range ids {
 		ids[i], _ = l.NewPass(i, fmt.Sprintf("layer%d", i))
-		must(t, l.AttachGraph(ids[i], Forward, f.create()))
-		must(t, l.AttachGraph(ids[i], Backward, f.create()))
-		must(t, l.AddPoolRef(ids[i]))
-		refsIn++
+		capture(t, l, ids[i], Forward, "p", int64(i+1))
+		capture(t, l, ids[i], Backward, "p", int64(i+1))
+		refsIn += 2
 		must(t, l.Seal(ids[i]))
 	}
 	var wg sync.WaitGroup
@@ -396,10 +565,13 @@ func TestConcurrent(t *testing.T) {
 		}(i, id)
 	}
 	wg.Add(1)
-	go func() { // new passes appear concurrently
+	go func() { // new passes appear and capture concurrently
 		defer wg.Done()
 		for i := 0; i < 100; i++ {
 			id, _ := l.NewPass(i, "late")
+			if err := l.BeginCapture(id, Forward, "late", 0, 0); err == nil {
+				_, _ = l.EndCapture(id, Forward, 0)
+			}
 			_, _ = l.DropPass(id)
 		}
 	}()
@@ -409,8 +581,8 @@ func TestConcurrent(t *testing.T) {
 		must(t, err)
 		refsOut += n
 	}
-	if refsOut != refsIn {
-		t.Fatalf("pool refs handed back %d, taken %d", refsOut, refsIn)
+	if refsOut != refsIn || l.PoolRefs("p") != 0 || l.PoolRefs("late") != 0 {
+		t.Fatalf("pool refs handed back %d, taken %d; left %v", refsOut, refsIn, l.poolRefs)
 	}
 	if l.LivePasses() != 0 {
 		t.Fatalf("LivePasses = %d", l.LivePasses())

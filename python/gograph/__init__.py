@@ -1,37 +1,33 @@
 """gograph: CUDA-graphed PyTorch callables, captured by a Go core.
 
-``gograph.make_graphed_callables`` is a drop-in for ``torch.cuda.make_graphed_callables``. The
-graphs are captured on PyTorch's own stream and launched by a Go extension (gopy) through the
-CUDA driver API; each graphed callable's lifecycle is an explicit record in Go. Without a usable
-CUDA driver the CPU flavor of the core is loaded and CPU tensors run on the eager reference
-engine (same API and lifecycle, replays re-run the callable).
+``gograph.make_graphed_callables`` is a drop-in for ``torch.cuda.make_graphed_callables`` (and
+TransformerEngine's, all but quantization). The graphs are captured on PyTorch's own stream and
+launched by a Go extension (gopy) through the CUDA driver API; the Go core also plans every
+buffer's lifetime and keeps each graphed pass's record. Without a usable CUDA driver the CPU
+flavor of the core is loaded and CPU tensors run on the eager reference engine (same API and
+lifecycle; replays re-run the callable).
 
 Public names:
 
-* :func:`make_graphed_callables`, :class:`GraphedCallable`
+* :func:`make_graphed_callables`, :class:`GraphedCallable`, :class:`GraphedModule` (its typing)
+* :class:`StaticInputMismatchError`, :class:`ChainedInputError`, :class:`ScheduleError`
 * :func:`graph_pool_handle` -- a pool token to share between calls
-* :func:`cuda_available`, :func:`cuda_unavailable_reason` -- which core flavor was loaded, and why
-* :func:`live_graphs`, :func:`live_passes` -- leak checks against the core's registries
-* :func:`memory_report` -- what graphed callables hold, pass by pass (:mod:`gograph.memory`)
-* :class:`BufferReuse`, :class:`ScheduleError`, :func:`megatron_order` -- TransformerEngine's pipeline
-  schedules (``_order``) and buffer reuse, planned by the Go core (:mod:`gograph._schedule`)
+* :func:`cuda_available`, :func:`cuda_unavailable_reason`, :func:`core_flavor` -- which core flavor was loaded, and why
+* :func:`live_graphs`, :func:`live_passes`, :func:`live_plans` -- leak checks against the core's registries
+* :func:`memory_report` -- what graphed callables hold in memory, pass by pass (:mod:`gograph.memory`)
+* :class:`BufferReuse`, :func:`megatron_order` -- the buffer plan of a call; Megatron-LM's pipeline ``_order``
 * :mod:`gograph.engines` -- :class:`~gograph.engines.CudaEngine`, :class:`~gograph.engines.EagerEngine`
 """
 from __future__ import annotations
 
-from . import _native
+from . import _core, _native
 from ._native import cuda_available, cuda_unavailable_reason
+from ._plan import ScheduleError, megatron_order
+from ._reuse import BufferReuse
 from .engines import CudaEngine, EagerEngine, EagerPool, Engine
+from .graphed import ChainedInputError, GraphedCallable, StaticInputMismatchError
+from .graphs import GraphedModule, graph_pool_handle, live_graphs, live_passes, live_plans, make_graphed_callables
 from .memory import MemoryReport, memory_report
-from ._schedule import BufferReuse, ScheduleError, megatron_order
-from .graphs import (
-    GraphedCallable,
-    StaticInputMismatchError,
-    graph_pool_handle,
-    live_graphs,
-    live_passes,
-    make_graphed_callables,
-)
 
 
 def _version() -> str:
@@ -44,10 +40,7 @@ def _version() -> str:
             pass
     except ImportError:  # pragma: no cover
         pass
-    try:
-        return str(_native.core.core_version())
-    except Exception:  # pragma: no cover - core without version
-        return "0.0.0"
+    return str(_core.core_version())
 
 
 __version__: str = _version()
@@ -57,27 +50,31 @@ flavor: str = _native.flavor
 
 def core_flavor() -> str:
     """Which flavor of the Go core is loaded: "cuda" or "cpu" (as reported by the core)."""
-    return str(_native.core.flavor())
+    return str(_core.flavor())
+
 
 __all__ = [
     "BufferReuse",
-    "ScheduleError",
-    "megatron_order",
+    "ChainedInputError",
     "CudaEngine",
     "EagerEngine",
     "EagerPool",
     "Engine",
     "GraphedCallable",
+    "GraphedModule",
     "MemoryReport",
+    "ScheduleError",
     "StaticInputMismatchError",
     "__version__",
-    "cuda_available",
     "core_flavor",
+    "cuda_available",
     "cuda_unavailable_reason",
     "flavor",
     "graph_pool_handle",
     "live_graphs",
     "live_passes",
+    "live_plans",
     "make_graphed_callables",
+    "megatron_order",
     "memory_report",
 ]

@@ -1,18 +1,17 @@
 """Build-time observation: capture order, per-capture timing and memory, warmup peak, progress.
 
-Kept apart from the capture algorithm (``graphs.py``) and the engines: they call in at three
-points only --
+Kept apart from the build (``_build.py``) and the engines, and free of core calls: they call in
+at two points only --
 
 * :meth:`gograph.engines.Engine.capture` wraps every capture in a :class:`CaptureProbe`, which
-  records the capture's sequence number in its pool with the Go core (the replay-order guard
-  needs it), logs its time and memory delta at INFO on the ``gograph`` logger, and advances the
-  progress bar of the build underway on this thread;
-* ``make_graphed_callables`` opens a :class:`BuildStats` for its duration (``begin`` /
-  ``warmup_started`` / ``warmup_finished`` / ``close``) and gives it to every GraphedCallable it
-  returns (``GraphedCallable.build_stats``), where :func:`gograph.memory_report` reads it;
-* with the replay-order guard on, ``GraphedCallable.__call__`` calls :func:`discard_if_no_backward`.
+  records the capture's time, memory delta and sequence number in its pool (the core gives it
+  when the capture ends), logs it at INFO on the ``gograph`` logger, and advances the progress
+  bar of the build underway on this thread;
+* the build opens a :class:`BuildStats` for its duration (``begin`` / ``warmup_started`` /
+  ``warmup_finished`` / ``close``) and gives it to every GraphedCallable it returns
+  (``GraphedCallable.build_stats``), where :func:`gograph.memory_report` reads it.
 
-Nothing here runs on the replay path unless the guard is on.
+Nothing here runs on the replay path.
 """
 from __future__ import annotations
 
@@ -22,13 +21,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Sequence
+import warnings
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from . import _native
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engines import Engine
@@ -220,12 +218,21 @@ def current_build() -> BuildStats | None:
     return _current.stack[-1] if _current.stack else None
 
 
+_said_no_tqdm: list[bool] = []
+
+
 def _open_progress(total: int) -> Any:
-    """A tqdm bar over the captures, or None when tqdm is not installed (no hard dependency)."""
+    """A tqdm bar over the captures, or None when tqdm is not installed (no hard dependency;
+    said once per process, as a warning: the INFO log lines exist only where logging is
+    configured)."""
     try:
         tqdm = importlib.import_module("tqdm").tqdm
     except ImportError:
-        log.info("gograph: progress=True needs tqdm (pip install tqdm); building without a progress bar")
+        if not _said_no_tqdm:
+            _said_no_tqdm.append(True)
+            warnings.warn("gograph: progress=True shows a bar only with tqdm installed (pip install tqdm); "
+                          "without it each capture is logged at INFO on the 'gograph' logger "
+                          "(logging.basicConfig(level=logging.INFO) shows them)", stacklevel=4)
         return None
     return tqdm(total=total or None, desc="gograph", unit="graph", leave=False)
 
@@ -256,8 +263,9 @@ class CaptureProbe:
         self.mem0 = engine.memory_allocated() if last is None else last
         self.t0 = time.perf_counter()
 
-    def finished(self) -> CaptureRecord:
-        """Records the capture's order in the Go core, logs it and reports it to the build."""
+    def finished(self, seq: int) -> CaptureRecord:
+        """Records the capture (its sequence number ``seq`` in the pool, from the core), logs it and
+        reports it to the build."""
         seconds = time.perf_counter() - self.t0
         mem1 = self.engine.memory_allocated()
         delta = None if self.mem0 is None or mem1 is None else int(mem1) - int(self.mem0)
@@ -265,7 +273,6 @@ class CaptureProbe:
         if build is not None:
             build._allocated_after_capture = mem1
         key = self.engine.pool_key(self.pool)
-        seq = int(_native.core.record_capture(self.pass_id, self.kind, key))
         kind = KIND_NAMES.get(self.kind, str(self.kind))
         rec = CaptureRecord(pass_id=self.pass_id, kind=kind, label=self.label, seq=seq, pool=key,
                             seconds=seconds, memory_delta_bytes=delta)
@@ -277,33 +284,3 @@ class CaptureProbe:
         if build is not None:
             build._captured(rec)
         return rec
-
-
-# ---------------------------------------------------------------------------------------------
-# Replay-order guard, Python side
-# ---------------------------------------------------------------------------------------------
-def enable_replay_order_check(pass_ids: Sequence[int]) -> None:
-    """Turns the Go core's replay-order guard on for these passes."""
-    core = _native.core
-    for pass_id in pass_ids:
-        core.set_replay_order_check(int(pass_id), True)
-
-
-def check_replay_order(pass_id: int, kind: int) -> None:
-    """Raises the guard's RuntimeError if replaying ``kind`` of ``pass_id`` now would be refused;
-    called before static buffers are written, so that a refused replay leaves them untouched."""
-    _native.core.check_replay_order(int(pass_id), int(kind))
-
-
-def discard_if_no_backward(pass_id: int, outputs: Sequence[Any]) -> None:
-    """After a guarded forward replay: when no output requires grad, the backward can never run,
-    so the pass must not stay open in the guard (evaluation under no_grad)."""
-    for o in outputs:
-        if isinstance(o, torch.Tensor) and o.requires_grad:
-            return
-    _native.core.discard_replay_order(int(pass_id))
-
-
-def replay_order_state(pool_key: str) -> str:
-    """The guard's open passes in a pool, one per line ("" when none)."""
-    return str(_native.core.replay_order_state(pool_key))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _native
+from . import _core
 from ._observe import KIND_NAMES, BuildStats, CaptureRecord, WarmupPeak, fmt_bytes
 
 __all__ = [
@@ -192,7 +192,7 @@ class MemoryReport:
 def _graphed_callables(obj: Any, seen: set[int]) -> Iterator[Any]:
     """The GraphedCallables in ``obj``: one, a module whose forward is one, an object holding
     several (``graphed_callables`` attribute), or any (nested) tuple/list of those."""
-    from .graphs import GraphedCallable
+    from .graphed import GraphedCallable
 
     if isinstance(obj, GraphedCallable):
         if id(obj) not in seen:
@@ -264,7 +264,7 @@ def memory_report(graphed: Any) -> MemoryReport:
     module or callable, or the tuple), or any list/tuple of graphed modules and callables (e.g.
     from several calls sharing a pool). Reading it synchronizes nothing and changes nothing;
     on CUDA it takes one ``torch.cuda.memory_snapshot()`` per pool."""
-    core = _native.core
+    core = _core
     gcs = list(_graphed_callables(graphed, set()))
     if not gcs:
         raise ValueError("gograph.memory_report: no graphed callables given")

@@ -1,0 +1,216 @@
+"""Training workloads shared by the memory and step-time benchmarks (bench/footprint.py,
+bench/steptime.py).
+
+Each workload builds its layers (one graphed callable per layer), the sample args a maker graphs
+them with, a batch per training step, and the step itself: the forward through every pass, the
+loss and its backward. The same step runs eager layers, torch's graphed layers and gograph's, so
+the arms differ only in what graphing adds.
+
+* ``chain``: 8 per-layer MLPs 4096 -> 4096 -> 4096 (GELU), 8192 rows, bf16.
+* ``blocks``: 12 pre-norm transformer blocks (causal SDPA, MLP 4x), hidden 1024, 8 x 1024 tokens, bf16.
+* ``pipeline``: one rank of Megatron-LM's interleaved 1F1B schedule (bench/pipeline.py's
+  scenario): 4 virtual chunks x 2 layers, 8 microbatches, ``x + fc2(gelu(fc1(ln(x))))``, hidden
+  1024, 4096 rows, bf16; graphed with ``_order`` (64 passes), each chunk's input a fresh tensor
+  that requires grad (what the rank receives), each chunk backward a fresh output grad; grads
+  accumulate over the 8 microbatches of a step.
+* ``stack``: 32 per-layer Linear(256) + ReLU, 64 rows, fp32: launch-bound (step time only).
+
+``--small`` sizes (tests, CPU smoke runs) keep the structure with tiny tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gograph import megatron_order
+
+Step = Callable[[Sequence[Callable[..., Any]], "Batch"], None]
+
+
+@dataclass
+class Batch:
+    """One training step's data: the first layer's input(s) and, for the pipeline, the output
+    grads of each chunk backward."""
+
+    inputs: list[Tensor]
+    grads: list[Tensor] = field(default_factory=list)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, width)
+        self.fc2 = torch.nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)); x + mlp(ln2(x)), causal SDPA."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PipeLayer(torch.nn.Module):
+    """x + fc2(gelu(fc1(layernorm(x)))) (bench/pipeline.py's layer)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class LinearReLU(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.fc(x))
+
+
+@dataclass
+class Workload:
+    """A workload: how to build it and run one training step over its graphed callables."""
+
+    name: str
+    n_layers: int
+    input_shape: tuple[int, ...]
+    dtype: torch.dtype
+    make_layer: Callable[[], torch.nn.Module]
+    # pipeline only: Megatron order, layers per chunk, microbatches
+    order: list[int] | None = None
+    layers_per_chunk: int = 1
+    microbatches: int = 1
+
+    @property
+    def chunks(self) -> int:
+        return self.n_layers // self.layers_per_chunk
+
+    @property
+    def passes(self) -> int:
+        return self.n_layers * self.microbatches
+
+    def build(self, device: torch.device, seed: int = 0) -> list[torch.nn.Module]:
+        torch.manual_seed(seed)
+        return [self.make_layer().to(device=device, dtype=self.dtype) for _ in range(self.n_layers)]
+
+    def sample_args(self, device: torch.device) -> tuple[tuple[Tensor, ...], ...]:
+        """One tuple per pass. Without an order layer 0 sees data (no grad) and every later layer
+        an activation (requires grad); in the pipeline every pass's input requires grad."""
+        def one(rg: bool) -> tuple[Tensor, ...]:
+            return (torch.randn(self.input_shape, device=device, dtype=self.dtype).requires_grad_(rg),)
+        if self.order is None:
+            return tuple(one(i > 0) for i in range(self.n_layers))
+        return tuple(one(True) for _ in range(self.passes))
+
+    def graph_kwargs(self) -> dict[str, Any]:
+        if self.order is None:
+            return {}
+        return {"_order": self.order, "_num_layers_per_chunk": self.layers_per_chunk}
+
+    def batch(self, gen: torch.Generator, device: torch.device) -> Batch:
+        def rnd(rg: bool) -> Tensor:
+            return torch.randn(self.input_shape, generator=gen, device=device, dtype=self.dtype).requires_grad_(rg)
+        if self.order is None:
+            return Batch([rnd(False)])
+        n = self.chunks * self.microbatches
+        return Batch([rnd(True) for _ in range(n)], [rnd(False) for _ in range(n)])
+
+    def step(self, calls: Sequence[Callable[..., Any]], batch: Batch) -> None:
+        """Forward through every pass and backward (grads accumulate in ``.grad``)."""
+        if self.order is None:
+            x = batch.inputs[0]
+            for call in calls:
+                x = call(x)
+            x.float().square().mean().backward()
+            return
+        self._pipeline_step(calls, batch)
+
+    def _pipeline_step(self, calls: Sequence[Callable[..., Any]], batch: Batch) -> None:
+        """The order once: chunk c's forward of microbatch m runs its layers (pass
+        ``c*L*M + m*L + l``, TransformerEngine's indexing), its backward takes a fresh grad."""
+        assert self.order is not None
+        L, M = self.layers_per_chunk, self.microbatches
+        fwd = [0] * self.chunks
+        bwd = [0] * self.chunks
+        outs: dict[tuple[int, int], Tensor] = {}
+        for e in self.order:
+            c = abs(e) - 1
+            if e > 0:
+                m = fwd[c]
+                fwd[c] += 1
+                x = batch.inputs[c * M + m]
+                for li in range(L):
+                    x = calls[c * L * M + m * L + li](x)
+                outs[(c, m)] = x
+            else:
+                m = bwd[c]
+                bwd[c] += 1
+                outs.pop((c, m)).backward(batch.grads[c * M + m])
+                batch.inputs[c * M + m].grad = None  # sent to the previous rank (dropped here)
+
+    def eager_calls(self, layers: Sequence[torch.nn.Module]) -> list[Callable[..., Any]]:
+        """The per-pass callables of the eager arm (the pipeline's passes reuse their layer)."""
+        if self.order is None:
+            return list(layers)
+        L, M = self.layers_per_chunk, self.microbatches
+        return [layers[(p // (L * M)) * L + p % L] for p in range(self.passes)]
+
+
+def workload(name: str, small: bool = False) -> Workload:
+    """The workload ``name`` (chain, blocks, pipeline, stack), tiny with ``small``."""
+    if name == "chain":
+        w = 32 if small else 4096
+        return Workload("chain", 8, (16 if small else 8192, w), torch.bfloat16, lambda: MLP(w))
+    if name == "blocks":
+        h, heads = (32, 4) if small else (1024, 16)
+        return Workload("blocks", 4 if small else 12, (2, 16, h) if small else (8, 1024, h), torch.bfloat16,
+                        lambda: Block(h, heads))
+    if name == "pipeline":
+        h = 32 if small else 1024
+        return Workload("pipeline", 8, (16 if small else 4096, h), torch.bfloat16, lambda: PipeLayer(h),
+                        order=megatron_order(4, 0, 4, 8), layers_per_chunk=2, microbatches=8)
+    if name == "stack":
+        return Workload("stack", 32, (64, 256), torch.float32, lambda: LinearReLU(256))
+    raise ValueError(f"unknown workload {name!r} (chain, blocks, pipeline, stack)")
+
+
+WORKLOADS = ("chain", "blocks", "pipeline", "stack")
+
+
+def param_digest(layers: Sequence[torch.nn.Module]) -> str:
+    """A hash of every parameter's bytes: equal digests mean bitwise-equal parameters."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for layer in layers:
+        for p in layer.parameters():
+            h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+

@@ -1,0 +1,368 @@
+package lifetime
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/gograph/gograph/internal/schedule"
+)
+
+// Capture plans the captures of p from what warmup learned about each pass
+// (facts, one per pass): the ops in order with every release point, where
+// each static buffer comes from, and how each parameter grad reaches .grad.
+//
+// Release points on every schedule:
+//
+//   - a forward's capture-time outputs die once its backward is captured,
+//     or right after the forward when it gets no backward graph;
+//   - with Options.Release, a pool buffer dies after its last reader is
+//     captured: an output (Options.Reuse only: outputs otherwise stay valid
+//     until their pass's next forward, as torch's are) after its pass's
+//     backward and any chained consumer's backward; a user input's grad
+//     after the backward that consumes it (the chained producer's, or, in
+//     an _order with Reuse, the pass TransformerEngine assumes); a
+//     transient parameter grad after its own backward.
+func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
+	if err := checkFacts(p, facts); err != nil {
+		return nil, err
+	}
+	at := stepsOf(p)
+	prog := newProgram(facts)
+	if opt.Chain {
+		chain(p, facts, prog)
+	}
+	bufs := planBuffers(p, facts, prog, at, opt)
+	if opt.Reuse {
+		prog.Slots = assignSlots(bufs, prog.Sigs)
+		for _, b := range bufs {
+			if b.role.Slotted() {
+				slotSource(prog, b)
+			}
+		}
+		compareTE(p, bufs, facts, prog.Sigs)
+	}
+	gradPolicies(p, facts, prog, at, opt)
+	if err := captureOps(p, facts, prog, bufs); err != nil {
+		return nil, err
+	}
+	return prog, nil
+}
+
+func checkFacts(p *schedule.Plan, facts []Facts) error {
+	if len(facts) != p.Passes {
+		return fmt.Errorf("facts for %d passes, but the schedule has %d", len(facts), p.Passes)
+	}
+	at := stepsOf(p)
+	for i, f := range facts {
+		if f.NPos < 0 || f.NPos > len(f.Inputs) {
+			return fmt.Errorf("pass %d: %d positional inputs of %d", i, f.NPos, len(f.Inputs))
+		}
+		if f.Backward && at.bwd(i) < 0 {
+			return fmt.Errorf("pass %d has a backward graph but no backward step in the schedule", i)
+		}
+		if f.WGrad && !f.Backward {
+			return fmt.Errorf("pass %d has a weight-gradient graph but no backward graph", i)
+		}
+		for _, in := range f.Inputs {
+			if in.Sig < 0 || (in.Slottable && !in.Unique) {
+				return fmt.Errorf("pass %d: input signature %d (slottable %v, unique %v) is invalid", i, in.Sig, in.Slottable, in.Unique)
+			}
+		}
+		for _, o := range f.Outputs {
+			if o.Sig < 0 {
+				return fmt.Errorf("pass %d: negative output signature %d", i, o.Sig)
+			}
+		}
+		for _, g := range f.ParamGrads {
+			if g.Index < len(f.Inputs) || g.Sig < 0 || g.Param < 0 {
+				return fmt.Errorf("pass %d: parameter grad %+v is invalid (its index must follow the %d user inputs)", i, g, len(f.Inputs))
+			}
+		}
+	}
+	return nil
+}
+
+func newProgram(facts []Facts) *Program {
+	prog := &Program{
+		Inputs:      make([][]Source, len(facts)),
+		GradOutputs: make([][]Source, len(facts)),
+		GradPolicy:  make([][]GradPolicy, len(facts)),
+		Sigs:        make(map[int]*SigStats),
+	}
+	for i, f := range facts {
+		prog.Inputs[i] = make([]Source, len(f.Inputs))
+		for j := range f.Inputs {
+			prog.Inputs[i][j] = Source{Kind: Own}
+		}
+		prog.GradOutputs[i] = make([]Source, len(f.Outputs))
+		for k, o := range f.Outputs {
+			prog.GradOutputs[i][k] = Source{Kind: Own}
+			if !o.RequiresGrad || !f.Backward {
+				prog.GradOutputs[i][k] = Source{Kind: None}
+			}
+		}
+		prog.GradPolicy[i] = make([]GradPolicy, len(f.ParamGrads))
+	}
+	return prog
+}
+
+// chain links each pass to the layer that feeds it: output k of the
+// producer becomes the pass's positional input leaf k when their signatures
+// and requires_grad agree; when the input requires grad and both have a
+// backward, the pass's input grad becomes the producer's grad output k.
+func chain(p *schedule.Plan, facts []Facts, prog *Program) {
+	for pass, q := range producers(p) {
+		if q < 0 {
+			continue
+		}
+		fp, fq := facts[pass], facts[q]
+		for k := 0; k < min(fp.NPos, len(fq.Outputs)); k++ {
+			in, out := fp.Inputs[k], fq.Outputs[k]
+			if in.Sig != out.Sig || in.RequiresGrad != out.RequiresGrad {
+				continue
+			}
+			prog.Inputs[pass][k] = Source{Kind: Chained, Pass: q, Index: k}
+			if in.RequiresGrad && fp.Backward && fq.Backward {
+				prog.GradOutputs[q][k] = Source{Kind: Chained, Pass: pass, Index: k}
+			}
+		}
+	}
+}
+
+// producers gives, per pass, the pass whose outputs it consumes when layers
+// are chained (-1 for none): the previous callable of the default schedule,
+// or the previous layer of the same chunk and microbatch of an _order. The
+// producer's forward is always captured before the consumer's, and the
+// consumer's backward before the producer's.
+func producers(p *schedule.Plan) []int {
+	out := make([]int, p.Passes)
+	for i := range out {
+		out[i] = -1
+	}
+	if !p.Ordered {
+		for i := 1; i < p.Passes; i++ {
+			out[i] = i - 1
+		}
+		return out
+	}
+	for _, s := range p.Steps {
+		if s.Kind == schedule.Forward && s.Layer > 0 {
+			out[s.Pass] = p.PassIndex(s.Chunk, s.Micro, s.Layer-1)
+		}
+	}
+	return out
+}
+
+// planBuffers lists the buffers whose lifetimes matter: slot candidates
+// (with Reuse) and pool buffers, with their uses and release steps.
+func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt Options) []*buffer {
+	var bufs []*buffer
+	readers := chainedReaders(prog)
+	for pass, f := range facts {
+		fw, bw, w := at.fwd(pass), at.bwd(pass), at.wgrad(pass)
+		if !f.Backward {
+			bw, w = -1, -1
+		}
+		for j, in := range f.Inputs {
+			if opt.Reuse && in.Slottable && prog.Inputs[pass][j].Kind == Own {
+				b := &buffer{role: Input, pass: pass, index: j, sig: in.Sig, slot: -1, release: -1}
+				b.span(fw, bw, w)
+				bufs = append(bufs, b)
+			}
+		}
+		for k, o := range f.Outputs {
+			if opt.Reuse && prog.GradOutputs[pass][k].Kind == Own {
+				b := &buffer{role: GradOutput, pass: pass, index: k, sig: o.Sig, slot: -1, release: -1}
+				b.span(bw, w)
+				bufs = append(bufs, b)
+			}
+		}
+		if !opt.Release {
+			continue
+		}
+		bufs = append(bufs, outputBuffers(facts, pass, fw, bw, readers[pass], at, opt)...)
+		bufs = append(bufs, gradInputBuffers(p, f, prog, pass, bw, at, opt)...)
+	}
+	return bufs
+}
+
+// chainedReaders gives, per producer pass and output, the consumer passes
+// that read it in place.
+func chainedReaders(prog *Program) []map[int][]int {
+	out := make([]map[int][]int, len(prog.Inputs))
+	for pass, row := range prog.Inputs {
+		for _, s := range row {
+			if s.Kind == Chained {
+				if out[s.Pass] == nil {
+					out[s.Pass] = map[int][]int{}
+				}
+				out[s.Pass][s.Index] = append(out[s.Pass][s.Index], pass)
+			}
+		}
+	}
+	return out
+}
+
+// outputBuffers are a pass's outputs with release steps: only with Reuse
+// (TransformerEngine's semantics: a returned output is valid until the
+// schedule reuses its memory) and only for a pass whose backward exists
+// (without one the user may still read it).
+func outputBuffers(facts []Facts, pass, fw, bw int, readers map[int][]int, at steps, opt Options) []*buffer {
+	if !opt.Reuse || bw < 0 {
+		return nil
+	}
+	var bufs []*buffer
+	for k, o := range facts[pass].Outputs {
+		b := &buffer{role: Output, pass: pass, index: k, sig: o.Sig, slot: -1}
+		uses := []int{fw, bw}
+		for _, r := range readers[k] { // a chained consumer reads it in its forward and may in its backward
+			uses = append(uses, at.fwd(r))
+			if facts[r].Backward {
+				uses = append(uses, at.bwd(r))
+			}
+		}
+		b.span(uses...)
+		b.release = b.last
+		bufs = append(bufs, b)
+	}
+	return bufs
+}
+
+// gradInputBuffers are the grads of a pass's user inputs that require grad,
+// released after the backward that consumes them: the chained producer's
+// (its grad output is this buffer), or with Reuse in an _order the
+// consumer TransformerEngine assumes. Unchained input grads of the default
+// schedule go to a consumer the planner does not know and stay.
+func gradInputBuffers(p *schedule.Plan, f Facts, prog *Program, pass, bw int, at steps, opt Options) []*buffer {
+	if bw < 0 {
+		return nil
+	}
+	consumers := map[int]int{} // input leaf -> step of its consumer
+	for q, row := range prog.GradOutputs {
+		for _, s := range row {
+			if s.Kind == Chained && s.Pass == pass {
+				consumers[s.Index] = at.bwd(q)
+			}
+		}
+	}
+	var bufs []*buffer
+	for j, in := range f.Inputs {
+		if !in.RequiresGrad {
+			continue
+		}
+		c, chained := consumers[j]
+		if !chained {
+			if !opt.Reuse || !p.Ordered {
+				continue
+			}
+			c = consumer(p, bw)
+		}
+		if c < 0 {
+			continue
+		}
+		b := &buffer{role: GradInput, pass: pass, index: j, sig: in.Sig, slot: -1}
+		b.span(bw, c)
+		b.release = b.last
+		bufs = append(bufs, b)
+	}
+	return bufs
+}
+
+// slotSource records a slot buffer's slot in the program.
+func slotSource(prog *Program, b *buffer) {
+	src := Source{Kind: Slot, Slot: b.slot}
+	if b.role == Input {
+		prog.Inputs[b.pass][b.index] = src
+	} else {
+		prog.GradOutputs[b.pass][b.index] = src
+	}
+}
+
+// gradPolicies decides how each parameter grad reaches .grad. Chained
+// builds lend the static buffer of each parameter's first backward in the
+// schedule (no clone: the buffer sits in pool memory the forwards reuse,
+// as eager training's fresh .grad does, and is copied out only if .grad
+// still holds it when a graph that may overwrite it replays); the
+// parameter's other passes, and every pass without Chain, return owned
+// clones, their buffers handed back to the pool after the backward when
+// the build releases pool buffers (with Reuse or Chain).
+func gradPolicies(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt Options) {
+	first := map[int]int{} // param -> pass of its first backward
+	for _, s := range p.Steps {
+		if s.Kind != schedule.Backward || !facts[s.Pass].Backward {
+			continue
+		}
+		for _, g := range facts[s.Pass].ParamGrads {
+			if _, ok := first[g.Param]; !ok {
+				first[g.Param] = s.Pass
+			}
+		}
+	}
+	for pass, f := range facts {
+		for i, g := range f.ParamGrads {
+			switch {
+			case opt.Chain && first[g.Param] == pass:
+				prog.GradPolicy[pass][i] = GradLend
+			case opt.Release && (opt.Reuse || opt.Chain) && f.Backward:
+				prog.GradPolicy[pass][i] = GradTransient
+			default:
+				prog.GradPolicy[pass][i] = GradClone
+			}
+		}
+	}
+}
+
+// captureOps emits the capture ops in schedule order, each step followed by
+// the releases that fall after it.
+func captureOps(p *schedule.Plan, facts []Facts, prog *Program, bufs []*buffer) error {
+	releases := map[int][]Op{}
+	for _, b := range bufs {
+		if !b.role.Slotted() && b.release >= 0 {
+			releases[b.release] = append(releases[b.release], Op{Kind: Release, Pass: b.pass, Role: b.role, Index: b.index})
+		}
+	}
+	at := stepsOf(p)
+	for pass, f := range facts {
+		for i, g := range f.ParamGrads {
+			if prog.GradPolicy[pass][i] == GradTransient {
+				s := at.bwd(pass)
+				releases[s] = append(releases[s], Op{Kind: Release, Pass: pass, Role: ParamGrad, Index: g.Index})
+			}
+		}
+	}
+	for i, s := range p.Steps {
+		f := facts[s.Pass]
+		switch s.Kind {
+		case schedule.Forward:
+			prog.Ops = append(prog.Ops, Op{Kind: CaptureForward, Pass: s.Pass})
+			if !f.Backward {
+				prog.Ops = append(prog.Ops, Op{Kind: DropCapture, Pass: s.Pass})
+			}
+		case schedule.Backward:
+			if !f.Backward {
+				continue
+			}
+			prog.Ops = append(prog.Ops, Op{Kind: CaptureBackward, Pass: s.Pass}, Op{Kind: DropCapture, Pass: s.Pass})
+			if !p.Ordered && f.WGrad {
+				prog.Ops = append(prog.Ops, Op{Kind: CaptureWGrad, Pass: s.Pass})
+			}
+		case schedule.WGrad:
+			if !f.WGrad {
+				return fmt.Errorf("step %d: a weight-gradient step for pass %d, which has no weight-gradient graph", i, s.Pass)
+			}
+			prog.Ops = append(prog.Ops, Op{Kind: CaptureWGrad, Pass: s.Pass})
+		}
+		rs := releases[i]
+		sort.Slice(rs, func(a, b int) bool {
+			if rs[a].Pass != rs[b].Pass {
+				return rs[a].Pass < rs[b].Pass
+			}
+			if rs[a].Role != rs[b].Role {
+				return rs[a].Role < rs[b].Role
+			}
+			return rs[a].Index < rs[b].Index
+		})
+		prog.Ops = append(prog.Ops, rs...)
+	}
+	return nil
+}

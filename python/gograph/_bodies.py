@@ -1,0 +1,110 @@
+"""Capture bodies: what an engine runs when it captures (or, on the eager engine, replays) one
+kind of one pass. Explicit objects, not closures: engines and finalizers can reach them, so they
+never hold their pass's owner (a module is held through a weakref and its forward unbound).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _torch
+
+__all__ = ["BackwardBody", "ForwardBody", "autograd_grad", "flat_tuple_spec"]
+
+LEAF_SPEC = pytree.tree_flatten(0)[1]  # the treespec of a lone leaf (a callable returning one Tensor)
+
+
+@functools.lru_cache(maxsize=64)
+def flat_tuple_spec(n: int) -> pytree.TreeSpec:
+    """The treespec of a flat tuple of ``n`` leaves (args passed as plain tensors)."""
+    return pytree.tree_flatten((0,) * n)[1]
+
+
+def autograd_grad(outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], grad_outputs: tuple[Tensor, ...],
+                  allow_unused: bool, retain_graph: bool = False) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, only_inputs=True, allow_unused=...,
+    retain_graph=...)`` for the warmup and capture backwards, whose ``grad_outputs`` are buffers
+    made like the outputs.
+
+    For plain tensors (no ``__torch_function__`` override or mode) with autograd's debug log
+    off, torch.autograd.grad only normalizes and validates its arguments before calling
+    autograd's engine; that Python layer was a fifth of a small layer's warmup iteration, so the
+    engine is called directly. Anything else goes through torch.autograd.grad. The engine raises
+    the same errors (an unused input without ``allow_unused``, an output without grad)."""
+    run = _torch.run_backward
+    if (run is not None and len(outputs) == len(grad_outputs)
+            and not _torch.has_torch_function(outputs + inputs + grad_outputs) and _torch.autograd_log_quiet()):
+        return tuple(run(outputs, grad_outputs, retain_graph, False, inputs, allow_unused, accumulate_grad=False))
+    return tuple(torch.autograd.grad(outputs=outputs, inputs=inputs, grad_outputs=grad_outputs, only_inputs=True,
+                                     allow_unused=allow_unused, retain_graph=retain_graph or None))
+
+
+class ForwardBody:
+    """Runs one callable's forward on its sample args and returns the flat tuple of output
+    tensors; the output treespec of the latest call is kept in :attr:`out_spec`."""
+
+    __slots__ = ("_fn", "_module_ref", "out_spec", "label")
+
+    def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None, label: str) -> None:
+        self._fn = fn
+        self._module_ref = weakref.ref(module) if module is not None else None
+        self.out_spec: pytree.TreeSpec | None = None
+        self.label = label
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        if self._module_ref is not None:
+            module = self._module_ref()
+            if module is None:
+                raise RuntimeError(f"gograph: the graphed module {self.label} no longer exists")
+            out = self._fn(module, *args, **kwargs)
+        else:
+            out = self._fn(*args, **kwargs)
+        if isinstance(out, Tensor):  # the common case, without pytree's flattening
+            self.out_spec = LEAF_SPEC
+            return (out,)
+        return self._flatten(out)
+
+    def _flatten(self, out: Any) -> tuple[Tensor, ...]:
+        if out is None:
+            raise TypeError(
+                f"gograph: a graphed callable must return at least one Tensor; {self.label} returned None. "
+                "Return the tensors it computes (work that only updates state in place belongs in torch.cuda.graph)")
+        leaves, spec = pytree.tree_flatten(out)
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"gograph: the outputs of a graphed callable must be Tensors (in any pytree structure); "
+                    f"output leaf {i} of {self.label} is a {type(leaf).__name__}")
+        if not leaves:
+            raise TypeError(
+                f"gograph: a graphed callable must return at least one Tensor; {self.label} returned an empty "
+                f"{type(out).__name__}. Return the tensors it computes (work that only updates state in place "
+                "belongs in torch.cuda.graph)")
+        self.out_spec = spec
+        return tuple(leaves)
+
+
+class BackwardBody:
+    """The grads of the outputs that require grad with respect to the static inputs that require
+    grad, with the static grad-output buffers as incoming gradients. Called with the forward
+    outputs it differentiates (the capture's, or on the eager engine the latest forward replay's)."""
+
+    __slots__ = ("inputs", "grad_outputs", "output_mask", "allow_unused", "retain_graph")
+
+    def __init__(self, inputs: tuple[Tensor, ...], grad_outputs: tuple[Tensor, ...], output_mask: tuple[bool, ...],
+                 allow_unused: bool, retain_graph: bool = False) -> None:
+        self.inputs = inputs
+        self.grad_outputs = grad_outputs
+        self.output_mask = output_mask
+        self.allow_unused = allow_unused
+        self.retain_graph = retain_graph  # TransformerEngine's retain_graph_in_backward
+
+    def __call__(self, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+        outs = tuple(o for o, m in zip(outputs, self.output_mask) if m)
+        return autograd_grad(outs, self.inputs, self.grad_outputs, self.allow_unused, self.retain_graph)

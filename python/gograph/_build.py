@@ -1,0 +1,198 @@
+"""The build: executes one ``make_graphed_callables`` plan, phase by phase.
+
+1. passes: one core record per graphed pass;
+2. warmup: the core's warmup program (:mod:`gograph._warmup`) on the engine's side stream;
+3. planning: what warmup learned goes to the core, which returns the capture program -- every
+   capture in replay order, every release point, where each static buffer comes from and how each
+   parameter grad reaches ``.grad``;
+4. captures: the program's ops (:mod:`gograph._captures`);
+5. seal: the passes become replayable (and guarded, in debug mode);
+6. assemble: one :class:`gograph.graphed.GraphedCallable` per pass.
+
+A failure anywhere rolls back in one place (:meth:`Build.rollback`): every pass created is
+dropped (its graphs destroyed, its pool references released, as the core counts them), the
+generator state restored, and the error raised again naming the callable and the phase.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from . import _core, _observe, _plan, _reuse
+from ._args import PassSpec, Request
+from ._captures import apply_slots, run_captures
+from ._state import PassState
+from ._warmup import run_warmup
+from .engines import CudaEngine, Engine
+from .graphed import GraphedCallable, PassResult, Shared, lent_grads
+
+__all__ = ["Build"]
+
+log = logging.getLogger("gograph")
+
+
+class Build:
+    """One build's executor. ``run()`` returns the graphed callables, one per pass."""
+
+    def __init__(self, req: Request, schedule: _plan.Schedule, specs: Sequence[PassSpec], engine: Engine) -> None:
+        self.req, self.schedule, self.specs, self.engine = req, schedule, specs, engine
+        self.pool: Hashable = req.pool if req.pool is not None else engine.new_pool()
+        self.device: torch.device | None = engine.device if isinstance(engine, CudaEngine) else None
+        self.states: list[PassState] = []
+        self.phase = "setup"
+        self.current: PassState | PassSpec | None = None
+        self.reuse: _reuse.BufferReuse | None = None
+        self.stats: _observe.BuildStats | None = None
+
+    def run(self) -> list[GraphedCallable]:
+        rng = self.engine.get_rng_state()
+        debug = _observe.debug_env() if self.req.debug_replay_order is None else self.req.debug_replay_order
+        self.stats = _observe.BuildStats.begin(self.engine, expected_captures=self._expected_captures(),
+                                               progress=self.req.progress, debug_replay_order=debug)
+        try:
+            self._create_passes()
+            self._warmup()
+            program, slots = self._plan()
+            run_captures(self, program, slots)
+            self._seal(debug)
+        except BaseException as e:
+            self.rollback(rng)
+            wrapped = self._with_context(e) if isinstance(e, Exception) else None
+            if wrapped is not None:
+                raise wrapped from e
+            raise
+        self.engine.set_rng_state(rng)
+        self.stats.close()
+        return self._assemble(program, debug)
+
+    def _expected_captures(self) -> int:
+        return sum(1 + int(s.grad_enabled) for s in self.specs) + len(self.schedule.wgrad_passes)
+
+    def _create_passes(self) -> None:
+        for spec in self.specs:
+            self.current = spec  # names the callable in an error
+            pass_id = self.engine.new_pass(spec.index, spec.label)
+            self.states.append(PassState(spec, pass_id))
+
+    def _warmup(self) -> None:
+        self.phase = "warmup"
+        req = self.req
+        ops = _plan.warmup_program(self.schedule, req.num_warmup_iters, req.hooks.hooks is not None)
+        assert self.stats is not None
+        self.stats.warmup_started()
+        with self.engine.warmup_context():
+            if req.pre_warmup_hook is not None:
+                req.pre_warmup_hook()
+            try:
+                run_warmup(self, ops)
+            except BaseException:
+                if req.post_warmup_hook is not None:  # TransformerEngine runs it even when warmup fails
+                    try:
+                        req.post_warmup_hook()
+                    except Exception as hook_error:  # keep the original error
+                        log.warning("gograph: post_warmup_hook after a failed warmup: %s", str(hook_error))
+                raise
+            if req.post_warmup_hook is not None:
+                self.current = None  # a hook's error is not a callable's
+                req.post_warmup_hook()
+        self.engine.synchronize()
+        for st in self.states:  # warmup is over: what it kept alive goes
+            st.warm_outputs = st.warm_grads = None
+        self.stats.warmup_finished()
+
+    def _plan(self) -> tuple[_plan.CaptureProgram, dict[int, Any]]:
+        """What warmup learned goes to the core; the capture program comes back."""
+        self.phase, self.current = "buffer planning", None
+        req, sigs = self.req, _reuse.Signatures()
+        release = isinstance(self.engine, CudaEngine)
+        program = _plan.capture_program(self.schedule, _reuse.facts_text(self.states, sigs, req.clone_param_grads),
+                                        reuse=req.reuse, chain=req.chain, release=release)
+        if req.reuse or req.chain:
+            self.reuse = _reuse.BufferReuse.of(program, sigs)
+            if not release:
+                self.reuse.released = 0
+        return program, apply_slots(self.states, program)
+
+    def _seal(self, debug: bool) -> None:
+        self.phase = "seal"
+        for st in self.states:
+            self.current = st
+            self.engine.seal(st.pass_id)
+        self.engine.synchronize()  # captures complete before the first replay
+        if debug:
+            for st in self.states:
+                _core.set_replay_order_check(st.pass_id, True)
+
+    def rollback(self, rng: Any) -> None:
+        """Every pass created so far is dropped and the generator state restored."""
+        if self.stats is not None:
+            self.stats.close(failed=True)
+        for st in self.states:
+            try:
+                self.engine.drop(st.pass_id, self.pool)
+            except Exception as cleanup_error:  # keep the original error
+                log.warning("gograph: releasing pass %d after a failed build: %s", st.pass_id, str(cleanup_error))
+        try:
+            self.engine.set_rng_state(rng)
+        except Exception as rng_error:
+            log.warning("gograph: restoring the generator state after a failed build: %s", str(rng_error))
+
+    def _with_context(self, e: Exception) -> Exception | None:
+        """An exception of ``e``'s type whose message names the callable and the phase, or None
+        when that type cannot be built from a message (then the context is added as a note)."""
+        cur = self.current
+        if cur is None:
+            return None
+        spec = cur if isinstance(cur, PassSpec) else cur.spec
+        msg = f"gograph.make_graphed_callables: callable {spec.index} ({spec.label}) failed during {self.phase}: {e}"
+        if isinstance(self.engine, CudaEngine) and self.phase.endswith("capture"):
+            msg += (" [during CUDA graph capture, work that synchronizes with the host -- stream or device "
+                    "synchronize(), .item(), .cpu(), printing tensors -- or allocates outside the capture "
+                    "stream is not allowed]")
+        try:
+            new = type(e)(msg)
+        except Exception:
+            new = None
+        if new is not None and type(new) is type(e):
+            return new
+        if hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(msg)
+        else:  # Python 3.10: the same attribute, which tracebacks there do not print
+            e.__notes__ = [*getattr(e, "__notes__", []), msg]  # type: ignore[attr-defined]
+            log.error("%s", msg)
+        return None
+
+    def _assemble(self, program: _plan.CaptureProgram, debug: bool) -> list[GraphedCallable]:
+        shared = Shared(engine=self.engine, pool=self.pool, build_stats=self.stats, check_replay_order=debug,
+                        retain_graph_in_backward=self.req.retain_graph, buffer_reuse=self.reuse,
+                        lent=lent_grads(self.engine.pool_key(self.pool)))
+        out = []
+        for st in self.states:
+            out.append(GraphedCallable(st.spec, _result(st, program), st.pass_id, shared))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
+                          st.index, st.spec.label, st.pass_id, self.engine.name, st.has_backward)
+        return out
+
+
+def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
+    n = len(st.flat_args)
+    policy: dict[int, str] = {}
+    if st.has_backward:
+        entries = [(n + k) for k, p in enumerate(st.params)
+                   if p.requires_grad and not getattr(p, "skip_backward_post_hook", False)]
+        for e, idx in enumerate(entries):
+            pol = program.grad_policy.get((st.index, e))
+            if pol is not None:
+                policy[idx] = pol
+    grad_outputs = st.static_grad_outputs or (None,) * len(st.static_outputs)
+    grad_inputs = st.static_grad_inputs or (None,) * len(st.surface)
+    assert st.output_spec is not None
+    return PassResult(static_inputs=st.flat_args, params=st.params, static_outputs=st.static_outputs,
+                      output_requires_grad=st.output_requires_grad, output_spec=st.output_spec,
+                      static_grad_outputs=grad_outputs, static_grad_inputs=grad_inputs, has_backward=st.has_backward,
+                      wgrad=st.wgrad_body, chained_inputs=frozenset(st.chained_inputs), grad_policy=policy,
+                      seq=(st.seq[0], st.seq[1]))

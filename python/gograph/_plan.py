@@ -1,0 +1,317 @@
+"""Typed facade of the Go core's planners.
+
+A build's plan lives in Go behind a handle (:class:`Schedule`), from :func:`plan_schedule` to
+:meth:`Schedule.free`; Python reads what it executes, once per ``make_graphed_callables``:
+
+* the steps (which pass runs which callable, its chunk, layer and microbatch);
+* the warmup program (:func:`warmup_program`): warmup ops in order, with the points where each
+  pass's warmup outputs die;
+* the capture program (:func:`capture_program`), planned from what warmup learned: capture ops
+  with every release point, where each static buffer comes from, how each parameter grad
+  reaches ``.grad``.
+
+Formats are docs/CORE_API.md's. Go decides; :mod:`gograph._build` executes.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from . import _core
+
+__all__ = [
+    "CaptureProgram",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleTypeError",
+    "Source",
+    "Step",
+    "capture_program",
+    "encode_layers",
+    "encode_order",
+    "megatron_order",
+    "plan_schedule",
+    "warmup_program",
+]
+
+#: Step kinds of a schedule.
+FORWARD_STEP, BACKWARD_STEP, WGRAD_STEP = "F", "B", "W"
+#: Warmup ops: run a forward / backward / weight gradient; the pass's warmup outputs die.
+WARM_FORWARD, WARM_BACKWARD, WARM_WGRAD, DROP_WARM = "f", "b", "w", "x"
+#: Capture ops: capture a forward / backward / weight gradient; drop the capture-time outputs;
+#: hand a pool buffer back to the pool.
+CAPTURE_FORWARD, CAPTURE_BACKWARD, CAPTURE_WGRAD, DROP_CAPTURE, RELEASE = "F", "B", "W", "X", "R"
+#: Where a static buffer comes from: the pass's own, a shared slot, another pass's buffer, none.
+OWN, SLOT, CHAINED, NO_BUFFER = "o", "s", "c", "-"
+#: How a parameter grad reaches ``.grad``: owned clone, lent static buffer, clone + pool release.
+GRAD_CLONE, GRAD_LEND, GRAD_TRANSIENT = "c", "l", "t"
+
+
+class ScheduleError(ValueError):
+    """A malformed ``_order`` / ``_num_layers_per_chunk`` (or arguments that do not fit them):
+    the message names the entry and the rule. A ValueError."""
+
+
+class ScheduleTypeError(ScheduleError, TypeError):
+    """An ``_order`` or ``_num_layers_per_chunk`` entry of the wrong type (a ScheduleError, so a
+    ValueError, and a TypeError)."""
+
+
+def encode_order(order: Any) -> str:
+    """``_order`` as the core's text: entries joined by commas (integers as such, floats with
+    their decimal, ``-1.5``). Raises :class:`ScheduleTypeError` for entries that are not real
+    numbers (bools included: they are not chunk ids)."""
+    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+        raise ScheduleTypeError(f"gograph: _order must be a list of chunk ids, got {type(order).__name__}")
+    parts = []
+    for i, c in enumerate(order):
+        if isinstance(c, bool) or not isinstance(c, numbers.Real):
+            raise ScheduleTypeError(
+                f"gograph: _order entry {i} ({c!r}) is a {type(c).__name__}; entries are integers c "
+                "(forward of chunk c), -c (backward) or -(c+0.5) (weight gradient)")
+        if isinstance(c, numbers.Integral):
+            parts.append(str(int(c)))
+            continue
+        x = float(c)
+        # Exact decimal: -1.5 renders as "-1.5"; non-halves stay recognisably fractional.
+        parts.append(repr(x) if not math.isfinite(x) or "e" not in repr(x) else f"{x:.6f}")
+    return ",".join(parts)
+
+
+def encode_layers(layers: Any) -> str:
+    """``_num_layers_per_chunk`` as the core's text: "" (None), "*L" (one int), "L1,L2,..."."""
+    if layers is None:
+        return ""
+    if isinstance(layers, bool):
+        raise ScheduleTypeError("gograph: _num_layers_per_chunk must be an int or a list of ints, got a bool")
+    if isinstance(layers, numbers.Integral):
+        return f"*{int(layers)}"
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise ScheduleTypeError(
+            f"gograph: _num_layers_per_chunk must be an int or a list of ints, got {type(layers).__name__}")
+    out = []
+    for i, n in enumerate(layers):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ScheduleTypeError(f"gograph: _num_layers_per_chunk[{i}] ({n!r}) is not an int")
+        out.append(str(int(n)))
+    if not out:
+        raise ScheduleError("gograph: _num_layers_per_chunk is empty; give one layer count per chunk")
+    return ",".join(out)
+
+
+class Step(NamedTuple):
+    """One schedule step: kind ("F", "B", "W"), the graphed pass, its callable, the ``_order``
+    entry it expands (-1 without ``_order``), chunk (1-based), layer, microbatch."""
+
+    kind: str
+    pass_index: int
+    callable_index: int
+    entry: int
+    chunk: int
+    layer: int
+    micro: int
+
+
+@dataclass(eq=False)
+class Schedule:
+    """A validated schedule in the core (``handle``) and what Python needs to know of it."""
+
+    handle: int
+    ordered: bool
+    num_passes: int
+    steps: tuple[Step, ...]
+    chunks: int = 1
+    microbatches: int = 1
+    layers: tuple[int, ...] = ()
+    order: tuple[Any, ...] = ()
+    callable_of: tuple[int, ...] = ()
+    wgrad_passes: frozenset[int] = frozenset()
+    _freed: bool = field(default=False, repr=False)
+
+    def entry_name(self, entry: int) -> str:
+        """How messages name an ``_order`` entry."""
+        if 0 <= entry < len(self.order):
+            return f"_order entry {entry} ({self.order[entry]!r})"
+        return "the default schedule"
+
+    def step_entry(self, pass_index: int, kind: str) -> str | None:
+        """How messages name the ``_order`` entry of the pass's step of ``kind`` (None without
+        ``_order``)."""
+        if not self.ordered:
+            return None
+        entry = next((s.entry for s in self.steps if s.pass_index == pass_index and s.kind == kind), -1)
+        return self.entry_name(entry)
+
+    def pass_label(self, pass_index: int, base: str) -> str:
+        """``base`` with the pass's chunk, layer and microbatch when the schedule is an _order."""
+        if not self.ordered:
+            return base
+        s = next(st for st in self.steps if st.pass_index == pass_index)
+        return f"{base}[chunk {s.chunk} layer {s.layer} microbatch {s.micro}]"
+
+    def free(self) -> None:
+        """Forgets the plan in the core (idempotent)."""
+        if not self._freed:
+            self._freed = True
+            _core.free_plan(self.handle)
+
+
+def _invalid(e: RuntimeError) -> ScheduleError | None:
+    marker = "invalid schedule: "
+    msg = str(e)
+    return ScheduleError("gograph: " + msg.split(marker, 1)[1]) if marker in msg else None
+
+
+def plan_schedule(order: Any, layers: Any, num_callables: int, num_samples: int, training: bool,
+                  warmup_iters: int) -> Schedule:
+    """Validates and expands the schedule in the core (``order`` None: the default one). A
+    malformed ``_order`` raises :class:`ScheduleError` naming the entry and the rule."""
+    order_text = "" if order is None else encode_order(order)
+    if order is not None and not order_text:
+        raise ScheduleError("gograph: _order is empty; it must list each chunk's forward and backward entries")
+    try:
+        handle = int(_core.plan_schedule(order_text, encode_layers(layers), int(num_callables), int(num_samples),
+                                         bool(training), int(warmup_iters)))
+    except RuntimeError as e:
+        invalid = _invalid(e)
+        if invalid is not None:
+            raise invalid from None
+        raise
+    try:
+        return _decode_schedule(handle, str(_core.plan_steps(handle)), tuple(order) if order is not None else ())
+    except BaseException:
+        _core.free_plan(handle)
+        raise
+
+
+def _decode_schedule(handle: int, text: str, order: tuple[Any, ...]) -> Schedule:
+    lines = text.strip().split("\n")
+    head = dict(kv.split("=", 1) for kv in lines[0].split()[2:])
+    steps = []
+    for line in lines[1:]:
+        k, *nums = line.split()
+        steps.append(Step(k, *(int(x) for x in nums)))
+    n = int(head["passes"])
+    callable_of = [0] * n
+    for s in steps:
+        if s.kind == FORWARD_STEP:
+            callable_of[s.pass_index] = s.callable_index
+    return Schedule(handle=handle, ordered=head["ordered"] == "1", num_passes=n, steps=tuple(steps), order=order,
+                    chunks=int(head["chunks"]), microbatches=int(head["microbatches"]),
+                    layers=tuple(int(x) for x in head["layers"].split(",") if x),
+                    callable_of=tuple(callable_of),
+                    wgrad_passes=frozenset(s.pass_index for s in steps if s.kind == WGRAD_STEP))
+
+
+class Op(NamedTuple):
+    """One op of a program: kind (see the module constants), the pass, and for a release the
+    buffer's role ("o" output, "d" user-input grad, "p" parameter grad) and index."""
+
+    kind: str
+    pass_index: int
+    role: str = ""
+    index: int = -1
+
+
+def _ops(lines: Sequence[list[str]]) -> tuple[Op, ...]:
+    out = []
+    for f in lines:
+        if f[1] == RELEASE:
+            out.append(Op(RELEASE, int(f[3]), f[2], int(f[4])))
+        else:
+            out.append(Op(f[1], int(f[2])))
+    return tuple(out)
+
+
+def warmup_program(schedule: Schedule, iters: int, hooks: bool) -> tuple[Op, ...]:
+    """The warmup ops for ``iters`` iterations: per callable (torch's loop) for the default
+    schedule without capture-time ``hooks``, else the schedule's order."""
+    text = str(_core.plan_warmup(schedule.handle, int(iters), bool(hooks)))
+    return _ops([ln.split() for ln in text.splitlines() if ln])
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a static buffer comes from (see the module constants): for a slot, its number; for
+    a chained buffer, the other pass and its output (inputs) or user-input leaf (grad outputs)."""
+
+    kind: str
+    slot: int = -1
+    pass_index: int = -1
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class CaptureProgram:
+    """A planned capture: ops in order, buffer sources that are not the pass's own (by
+    (pass, leaf) and (pass, output)), parameter-grad policies by (pass, facts entry), slot
+    counts per signature id (buffers, slots, TransformerEngine's FIFO count)."""
+
+    ops: tuple[Op, ...]
+    inputs: dict[tuple[int, int], Source]
+    grad_outputs: dict[tuple[int, int], Source]
+    grad_policy: dict[tuple[int, int], str]
+    sigs: dict[int, tuple[int, int, int]]
+    slots: int
+
+
+def _source(f: list[str]) -> Source:
+    if f[3] == SLOT:
+        return Source(SLOT, slot=int(f[4]))
+    if f[3] == CHAINED:
+        return Source(CHAINED, pass_index=int(f[4]), index=int(f[5]))
+    return Source(f[3])
+
+
+def capture_program(schedule: Schedule, facts: str, reuse: bool, chain: bool, release: bool) -> CaptureProgram:
+    """Plans the captures from ``facts`` (docs/CORE_API.md's format; :mod:`gograph._reuse`
+    writes them)."""
+    text = str(_core.plan_capture(schedule.handle, facts, bool(reuse), bool(chain), bool(release)))
+    ops, inputs, gouts, policy, sigs, slots = [], {}, {}, {}, {}, 0
+    for line in text.splitlines():
+        f = line.split()
+        if not f:
+            continue
+        tag = f[0]
+        if tag == "op":
+            ops.append(f)
+        elif tag == "in":
+            inputs[(int(f[1]), int(f[2]))] = _source(f)
+        elif tag == "gout":
+            gouts[(int(f[1]), int(f[2]))] = _source(f)
+        elif tag == "grad":
+            policy[(int(f[1]), int(f[2]))] = f[3]
+        elif tag == "sig":
+            sigs[int(f[1])] = (int(f[2]), int(f[3]), int(f[4]))
+        elif tag == "slots":
+            slots = int(f[1])
+    return CaptureProgram(_ops(ops), inputs, gouts, policy, sigs, slots)
+
+
+def megatron_order(pipeline_size: int, rank: int, chunks: int, microbatches: int,
+                   group_size: int | None = None) -> list[int]:
+    """Megatron-LM's interleaved 1F1B schedule for one pipeline rank as a TransformerEngine
+    ``_order`` (its ``get_schedule_table`` and ``convert_schedule_table_to_order``): microbatches
+    in groups of ``group_size`` (default ``pipeline_size``) per virtual chunk, warmup forwards
+    ``(pipeline_size - rank - 1) * 2 + (chunks - 1) * group_size``, then one forward / one
+    backward, then the remaining backwards (backwards run the chunks in reverse)."""
+    group = pipeline_size if group_size is None else group_size
+    table: list[int] = []  # chunk id (0-based) of each forward, in schedule order
+    for lo in range(0, microbatches, group):
+        hi = microbatches if lo + group >= microbatches else lo + group
+        for c in range(chunks):
+            table.extend([c] * (hi - lo))
+    total = microbatches * chunks
+    warm = min((pipeline_size - rank - 1) * 2 + (chunks - 1) * group, total)
+    fwd = [c + 1 for c in table]
+    bwd = [c - chunks for c in table]
+    order = fwd[:warm]
+    for i in range(warm, total):
+        order += [fwd[i], bwd[i - warm]]
+    if warm:
+        order += bwd[total - warm:]
+    return order

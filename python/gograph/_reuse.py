@@ -1,0 +1,200 @@
+"""The static buffers' plan, Python side: what warmup learned, written as the core's facts, and
+the capture program's buffer decisions carried out.
+
+The core (:func:`gograph._plan.capture_program`) decides, per pass, where each static input and
+each grad-output buffer comes from (the pass's own, a slot shared by liveness with
+``_reuse_graph_input_output_buffers``, or, with ``chain_buffers``, the previous layer's output /
+the next layer's input grad), when each pool buffer dies, and how each parameter grad reaches
+``.grad``. This module writes the facts (:func:`facts_text`), backs slots with tensors
+(:func:`slot_tensors`), and hands dead pool buffers back (:func:`release`). Nothing here decides.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _plan, _torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._state import PassState
+
+__all__ = [
+    "BufferReuse",
+    "Signatures",
+    "facts_text",
+    "release",
+    "replace_leaves",
+    "signature_text",
+    "slot_eligible",
+    "slot_tensors",
+    "tensor_signature",
+]
+
+
+def tensor_signature(t: Tensor) -> tuple[Any, ...]:
+    """What must be equal for two buffers to be one: shape, strides, dtype, device."""
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+def te_signature(t: Tensor) -> tuple[Any, ...]:
+    """TransformerEngine's reuse key of one tensor (shape, dtype, layout)."""
+    return (tuple(t.shape), t.dtype, t.layout)
+
+
+def signature_text(sig: tuple[Any, ...]) -> str:
+    shape, stride, dtype, device = sig
+    return f"{list(shape)} {str(dtype).replace('torch.', '')} {device}" + (
+        "" if _contiguous_strides(shape) == tuple(stride) else f" strides {list(stride)}")
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def slot_eligible(t: Tensor) -> bool:
+    """A sample tensor can back (or move into) a shared slot: a dense leaf that is its whole
+    storage (a view of it would lose a non-leaf's autograd history)."""
+    if t.layout != torch.strided or (t.requires_grad and not t.is_leaf) or isinstance(t, torch.nn.Parameter):
+        return False
+    if t.storage_offset() != 0 or t.numel() == 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return False
+    expected = 1  # non-overlapping and dense: the strides, sorted, are the running products of the sizes
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class Signatures:
+    """Small ids for tensor signatures (the core compares ints)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[Any, ...], int] = {}
+
+    def id(self, sig: tuple[Any, ...]) -> int:
+        return self.ids.setdefault(sig, len(self.ids))
+
+    def text(self, sig_id: int) -> str:
+        inverse = {v: k for k, v in self.ids.items()}
+        return signature_text(inverse[sig_id])
+
+
+def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads: bool) -> str:
+    """What warmup learned about each pass, in the core's facts format (docs/CORE_API.md)."""
+    occurrences: dict[int, int] = {}
+    params: set[int] = set()
+    for st in states:
+        for t in st.flat_args:
+            occurrences[id(t)] = occurrences.get(id(t), 0) + 1
+        params.update(id(p) for p in st.params)
+    param_ids: dict[int, int] = {}
+    te_in: dict[tuple[Any, ...], int] = {}
+    te_grad: dict[tuple[Any, ...], int] = {}
+    lines: list[str] = []
+    for st in states:
+        p, spec = st.index, st.spec
+        in_key = te_in.setdefault(tuple(te_signature(t) for t in st.flat_args), len(te_in))
+        grad_key = te_grad.setdefault(tuple((m[0][0], m[0][2]) for m in st.output_meta if m[1]), len(te_grad))
+        lines.append(f"pass {p} {int(st.captures_backward)} {int(st.may_need_dw)} {spec.n_pos} {in_key} {grad_key}")
+        for t in st.flat_args:
+            unique = occurrences[id(t)] == 1 and id(t) not in params
+            lines.append(f"in {p} {sigs.id(tensor_signature(t))} {int(t.requires_grad)} {int(unique)} "
+                         f"{int(unique and slot_eligible(t))}")
+        for sig, rg in st.output_meta:
+            lines.append(f"out {p} {sigs.id(sig)} {int(rg)}")
+        if clone_param_grads and st.captures_backward:
+            n = len(st.flat_args)
+            for k, prm in enumerate(st.params):
+                if prm.requires_grad and not getattr(prm, "skip_backward_post_hook", False):
+                    pid = param_ids.setdefault(id(prm), len(param_ids))
+                    lines.append(f"pg {p} {n + k} {pid} {sigs.id(tensor_signature(prm))}")
+    return "\n".join(lines) + "\n"
+
+
+def slot_tensors(states: Sequence[PassState], program: _plan.CaptureProgram) -> dict[int, Tensor]:
+    """One tensor per slot: the sample tensor of the first pass whose input uses it, or, for a slot
+    only grad outputs use, a new zeroed tensor of their signature."""
+    backing: dict[int, Tensor] = {}
+    for (p, j), src in sorted(program.inputs.items()):
+        if src.kind == _plan.SLOT and src.slot not in backing:
+            backing[src.slot] = states[p].flat_args[j]
+    for (p, k), src in sorted(program.grad_outputs.items()):
+        if src.kind == _plan.SLOT and src.slot not in backing:
+            shape, stride, dtype, device = states[p].output_meta[k][0]
+            backing[src.slot] = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    return backing
+
+
+def replace_leaves(tree: Any, replacements: Mapping[int, Tensor]) -> Any:
+    """``tree`` with leaf i replaced by ``replacements[i]``."""
+    leaves, spec = pytree.tree_flatten(tree)
+    for i, t in replacements.items():
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def release(op: _plan.Op, states: Sequence[PassState]) -> None:
+    """Drops gograph's owning reference to a pool buffer the core proved dead, keeping a
+    non-owning view for the graphs' static tensor (later captures may reuse its memory)."""
+    st = states[op.pass_index]
+    if op.role == "o":
+        outs = list(st.static_outputs)
+        outs[op.index] = _torch.nonowning_view(outs[op.index])
+        st.static_outputs = tuple(outs)
+        return
+    grads = list(st.static_grad_inputs)
+    if op.index < len(grads) and grads[op.index] is not None:
+        grads[op.index] = _torch.nonowning_view(grads[op.index])  # type: ignore[arg-type]
+        st.static_grad_inputs = tuple(grads)
+
+
+@dataclass
+class BufferReuse:
+    """How the core planned the static buffers of one ``make_graphed_callables`` call (attribute
+    ``buffer_reuse`` of every returned callable).
+
+    * ``signatures``: per tensor signature (``"[4096, 1024] bfloat16 cuda:0"``), a dict with
+      ``buffers`` (static inputs and grad outputs that would exist without reuse), ``slots``
+      (what this plan needs, by liveness over the schedule) and ``te_fifo`` (what
+      TransformerEngine's FIFO scheme keeps for the same buffers);
+    * ``slots``, ``te_fifo``, ``buffers``: their sums;
+    * ``released``: pool buffers handed back to the graph pool once their last capture-time
+      reader is captured (CUDA engine);
+    * ``chained``: static inputs that read the previous layer's output in place, and grad
+      outputs that are the next layer's input grad (``chain_buffers``);
+    * ``lent_param_grads``: parameter grads whose static buffer is lent to ``.grad``.
+    """
+
+    signatures: dict[str, dict[str, int]]
+    slots: int
+    te_fifo: int
+    buffers: int
+    released: int = 0
+    chained: int = 0
+    lent_param_grads: int = 0
+
+    @classmethod
+    def of(cls, program: _plan.CaptureProgram, sigs: Signatures) -> BufferReuse:
+        signatures = {sigs.text(s): {"buffers": b, "slots": n, "te_fifo": te}
+                      for s, (b, n, te) in sorted(program.sigs.items())}
+        return cls(signatures=signatures, slots=program.slots,
+                   te_fifo=sum(d["te_fifo"] for d in signatures.values()),
+                   buffers=sum(d["buffers"] for d in signatures.values()),
+                   released=sum(1 for op in program.ops if op.kind == _plan.RELEASE),
+                   chained=sum(1 for s in (*program.inputs.values(), *program.grad_outputs.values())
+                               if s.kind == _plan.CHAINED),
+                   lent_param_grads=sum(1 for v in program.grad_policy.values() if v == _plan.GRAD_LEND))
+
+    def __repr__(self) -> str:
+        return (f"BufferReuse(slots={self.slots}, te_fifo={self.te_fifo}, buffers={self.buffers}, "
+                f"released={self.released}, chained={self.chained}, signatures={self.signatures})")

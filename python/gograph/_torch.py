@@ -1,0 +1,127 @@
+"""Every private ``torch._C`` entry point gograph uses, in one place.
+
+torch's public wrappers resolve their arguments through several Python layers on every call,
+which showed on the capture and replay paths (docs/BENCHMARKS.md, *Capture time*); these are the
+raw calls underneath. Each was checked on torch 2.9, 2.10 and 2.11 (CUDA 12.x/13.0 builds) and
+is used with the signature given here; when a torch release moves one, this module is the only
+place to change.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "autograd_log_quiet",
+    "begin_allocate_to_pool",
+    "cpp_function_apply",
+    "current_raw_stream",
+    "current_stream",
+    "empty_cache",
+    "end_allocate_to_pool",
+    "functorch_transforms_active",
+    "get_device",
+    "has_torch_function",
+    "is_current_stream_capturing",
+    "memory_stats",
+    "nonowning_view",
+    "release_pool",
+    "run_backward",
+    "set_device",
+    "set_stream",
+    "storage_use_count",
+    "synchronize",
+]
+
+# -- devices and streams (torch.cuda.device / torch.cuda.stream, without their Python layers) --
+get_device: Callable[[], int] = torch._C._cuda_getDevice
+set_device: Callable[[int], None] = torch._C._cuda_setDevice
+synchronize: Callable[[], None] = torch._C._cuda_synchronize
+empty_cache: Callable[[], None] = torch._C._cuda_emptyCache
+
+
+def current_stream(device_index: int) -> tuple[int, int, int]:
+    """(stream_id, device_index, device_type) of the device's current stream."""
+    return tuple(torch._C._cuda_getCurrentStream(device_index))  # type: ignore[return-value]
+
+
+def set_stream(stream_id: int, device_index: int, device_type: int) -> None:
+    """Makes the stream current on its device (what ``torch.cuda.set_stream`` does)."""
+    torch._C._cuda_setStream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The device's current ``cudaStream_t`` as an int (what graphs are launched on)."""
+    return int(torch._C._cuda_getCurrentRawStream(device_index))
+
+
+is_current_stream_capturing: Callable[[], bool] = torch._C._cuda_isCurrentStreamCapturing
+
+# -- graph pools (torch's CUDAGraph::capture_begin/end do the same) -----------------------------
+
+
+def begin_allocate_to_pool(device_index: int, pool: Any) -> None:
+    """Routes the current stream's allocations to ``pool`` (a ``graph_pool_handle()`` pair),
+    taking one reference on it (creating the private pool on first use). Stream-scoped, so
+    autograd's device thread running backward ops on this stream is routed too."""
+    torch._C._cuda_beginAllocateCurrentStreamToPool(device_index, pool)
+
+
+def end_allocate_to_pool(device_index: int, pool: Any) -> None:
+    """Stops routing to ``pool`` (the reference stays: :func:`release_pool` returns it)."""
+    torch._C._cuda_endAllocateToPool(device_index, pool)
+
+
+def release_pool(device_index: int, pool: Any) -> None:
+    """Returns one reference on ``pool``; with the last one its free blocks go back to the
+    device at the next ``empty_cache``."""
+    torch._C._cuda_releasePool(device_index, pool)
+
+
+def memory_stats(device_index: int) -> dict[str, Any]:
+    """The allocator's raw statistics tree (``torch.cuda.memory_stats`` flattens it into a new
+    dict on every call: ~0.3 ms on the H200)."""
+    return dict(torch._C._cuda_memoryStats(device_index))
+
+
+# -- storages ---------------------------------------------------------------------------------
+def nonowning_view(t: Tensor) -> Tensor:
+    """A tensor over ``t``'s memory that does not own it: dropping every owning reference hands a
+    graph-pool block back to its pool for later captures, while graphs keep writing the same
+    addresses at replay (TransformerEngine's ``make_weak_ref``)."""
+    st = t.untyped_storage()
+    ws = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+    view = torch.empty((0,), dtype=t.dtype, device=t.device)
+    view.set_(ws, t.storage_offset(), t.size(), t.stride())
+    return view
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references (tensors, storage objects) hold ``storage``'s StorageImpl now."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+# -- autograd ---------------------------------------------------------------------------------
+# autograd's engine entry point, as torch.autograd.grad calls it (stable since torch 1.8: tensors,
+# grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad).
+run_backward: Callable[..., tuple[Tensor | None, ...]] | None = getattr(
+    getattr(torch.autograd.Variable, "_execution_engine", None), "run_backward", None)
+has_torch_function: Callable[[Any], bool] = torch._C._has_torch_function
+functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+_autograd_log = logging.getLogger("torch.autograd.graph")
+
+
+def autograd_log_quiet() -> bool:
+    """True when autograd's debug log (which torch.autograd.grad feeds) is off."""
+    return _autograd_log.getEffectiveLevel() > logging.DEBUG
+
+
+def cpp_function_apply(function_class: type) -> Callable[..., Any]:
+    """The C++ ``apply`` of an autograd Function class, below torch's Python classmethod (which
+    maps pytree over every argument to unwrap functorch wrappers: more than half of a small
+    graphed call's host time). Use only outside functorch transforms."""
+    return super(torch.autograd.Function, function_class).apply  # type: ignore[misc, arg-type]

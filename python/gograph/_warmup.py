@@ -1,0 +1,166 @@
+"""The warmup executor: runs the core's warmup program (:func:`gograph._plan.warmup_program`).
+
+Warmup keeps lazy initialisation (cuBLAS handles, cudnn benchmarking, ...) out of the captures
+and learns what the captures need: which passes consume generator state, their outputs'
+signatures, which submodules have delayed weight gradients, and (TransformerEngine's rules) which
+parameters get grads. The loop is kept tight (for small layers its per-op Python is a visible
+part of graphing time): generator offsets are read once between ops, output checks run on each
+pass's first forward, zero incoming grads are reused across one pass's consecutive iterations.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _plan, _te
+from ._bodies import autograd_grad
+from ._reuse import tensor_signature
+from ._state import PassState
+
+__all__ = ["check_outputs", "run_warmup"]
+
+
+def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device | None) -> None:
+    """On the CUDA engine (``device`` given), refuses forward outputs off its device: a graph
+    cannot produce them. Outputs that alias inputs are allowed, as in torch."""
+    if device is None:
+        return
+    for k, o in enumerate(outputs):
+        if o.device != device:
+            raise ValueError(
+                f"gograph: output leaf {k} of callable {st.index} ({st.spec.label}) is on {o.device}, but graphs "
+                f"are captured on {device}: a CUDA graph can only produce tensors on its device. Keep outputs on "
+                "the device and move them after the call")
+
+
+def run_warmup(build: Any, ops: Sequence[_plan.Op]) -> None:
+    """Runs ``ops`` (``build`` is the :class:`gograph._build.Build`: states, engine, hooks,
+    callables, and ``current`` for error messages)."""
+    marker = build.engine.rng_marker
+    states, callables, hooks, req = build.states, build.req.callables, build.req.hooks, build.req
+    at = marker()
+    for i, op in enumerate(ops):
+        st: PassState = states[op.pass_index]
+        build.current = st
+        kind = op.kind
+        if kind == _plan.WARM_FORWARD:
+            warm_forward(st, callables[st.spec.callable_index], hooks, build.device)
+            slot = 0
+        elif kind == _plan.WARM_BACKWARD:
+            st.warm_backwards += 1
+            warm_backward(st, callables[st.spec.callable_index], hooks, req.allow_unused_input, st.warm_backwards - 1)
+            slot = 1
+        elif kind == _plan.WARM_WGRAD:
+            warm_dw(st, build, _plan.WGRAD_STEP, build.schedule.step_entry(st.index, _plan.WGRAD_STEP))
+            at = marker()  # warm_dw accounts for its own generator use
+            continue
+        else:  # the pass's warmup outputs die (and its zero grads, unless its next iteration follows)
+            st.warm_outputs = None
+            if i + 1 >= len(ops) or ops[i + 1].pass_index != st.index:
+                st.warm_grads = None
+            continue
+        at = _flag(st, slot, at, marker())
+        if kind == _plan.WARM_BACKWARD and st.wgrad_modules and st.index not in build.schedule.wgrad_passes:
+            warm_dw(st, build, _plan.BACKWARD_STEP, build.schedule.step_entry(st.index, _plan.BACKWARD_STEP))
+            at = marker()  # TransformerEngine runs it right after the backward
+
+
+def _flag(st: PassState, slot: int, before: Any, after: Any) -> Any:
+    if after != before:
+        st.rng[slot] = True
+    elif st.rng[slot] is None:
+        st.rng[slot] = False
+    return after
+
+
+def warm_forward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, device: torch.device | None) -> None:
+    """One warmup forward (capture-time hooks around it), discovering the submodules with
+    delayed weight gradients that run in it."""
+    spec = st.spec
+    hooks.run("forward_pre_hooks", spec.callable_index, func)
+    if st.wgrad_candidates is None:  # the module tree is fixed while graphing: look once
+        st.wgrad_candidates = _te.wgrad_candidates(func)
+    grad_mode = (contextlib.nullcontext() if torch.is_grad_enabled() == spec.grad_enabled
+                 else torch.set_grad_enabled(spec.grad_enabled))
+    with grad_mode, (_te.discover_wgrad_modules(func, st.wgrad_modules, st.wgrad_candidates)
+                     if st.wgrad_candidates else contextlib.nullcontext()):
+        outputs = st.body(*st.sample_args, **st.sample_kwargs)
+    if not st.warmed:
+        check_outputs(st, outputs, device)
+        st.output_meta = tuple((tensor_signature(o), bool(o.requires_grad)) for o in outputs)
+        st.warmed = True
+    if st.wgrad_modules:
+        st.te_grads = True  # its weights get their grads from backward_dw, not the backward
+    hooks.run("forward_hooks", spec.callable_index, func)
+    st.warm_outputs = outputs
+
+
+def warm_backward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, allow_unused_input: bool, it: int) -> None:
+    """One warmup backward of the latest warmup forward, with TransformerEngine's grad rules when
+    ``st.te_grads``."""
+    outputs = st.warm_outputs
+    if outputs is None:
+        return
+    mask = tuple(o.requires_grad for o in outputs)
+    if not any(mask):
+        return
+    grads = _zero_grads(st, outputs, mask, hooks.hooks is None)
+    hooks.run("backward_pre_hooks", st.spec.callable_index, func)
+    surface = st.grad_surface
+    result = autograd_grad(tuple(o for o, m in zip(outputs, mask) if m), surface,
+                           tuple(g for g in grads if g is not None), True if st.te_grads else allow_unused_input)
+    hooks.run("backward_hooks", st.spec.callable_index, func)
+    if st.te_grads:
+        n_user = sum(1 for t in st.flat_args if t.requires_grad)
+        st.params = _te.kept_params(n_user, surface, result, st.params, allow_unused_input, it)
+
+
+def _zero_grads(st: PassState, outputs: tuple[Tensor, ...], mask: tuple[bool, ...], reuse: bool) -> tuple[Tensor | None, ...]:
+    """Zero incoming grads (zeros, not torch's empty_like: uninitialised memory can hold NaNs a
+    hook or anomaly detection would trip on). Without capture-time hooks (which could write
+    them) one pass's buffers serve its consecutive iterations (autograd only reads them)."""
+    prev = st.warm_grads if reuse else None
+    if prev is not None and len(prev) == len(outputs) and all(
+            (p is None) == (not m) and (p is None or tensor_signature(p) == tensor_signature(o))
+            for p, o, m in zip(prev, outputs, mask)):
+        return prev
+    grads = tuple(torch.zeros_like(o) if m else None for o, m in zip(outputs, mask))
+    if reuse:
+        st.warm_grads = grads
+    return grads
+
+
+def warm_dw(st: PassState, build: Any, kind: str, entry: str | None) -> None:
+    """Runs the pass's delayed weight-gradient work and checks it against the schedule: ``kind``
+    is the step ("B" for a backward without a paired ``-(c+0.5)`` entry, "W" for such an entry),
+    ``entry`` names it (None without ``_order``)."""
+    mods = list(st.wgrad_modules.values())
+    need = any(m.need_backward_dw() for m in mods)
+    if entry is not None and kind == _plan.WGRAD_STEP and not need:
+        raise _plan.ScheduleError(
+            f"gograph: {entry}: a weight-gradient entry for pass {st.index} ({st.spec.label}), but no submodule "
+            "that ran in its forward needs a delayed weight gradient (none defines need_backward_dw() and "
+            "backward_dw() with need_backward_dw() True). TransformerEngine: \"No module needs wgrad computation "
+            "but get float in order\"")
+    if entry is not None and kind == _plan.BACKWARD_STEP and need:
+        names = sorted({type(m).__name__ for m in mods if m.need_backward_dw()})
+        raise _plan.ScheduleError(
+            f"gograph: {entry}: pass {st.index} ({st.spec.label}) needs a delayed weight gradient "
+            f"(need_backward_dw() of {', '.join(names)} is True), but no -(c+0.5) entry of its chunk pairs with "
+            "this backward; every backward of a chunk that delays its weight gradient needs one "
+            "(TransformerEngine: \"Number of wgrad graph doesn't match number of dgrad graphs\")")
+    st.need_dw = need
+    if not need:
+        return
+    before = build.engine.rng_marker()
+    for m in mods:
+        if m.need_backward_dw():
+            m.backward_dw()
+    if build.engine.rng_marker() != before:
+        st.rng[2] = True
+    elif st.rng[2] is None:
+        st.rng[2] = False

@@ -1,0 +1,630 @@
+"""The graphed callable: one pass's static buffers and replay, wired into autograd.
+
+A :class:`GraphedCallable` is built from its pass's spec (:class:`gograph._args.PassSpec`) and
+what the build produced (:class:`PassResult`); the build's shared context (:class:`Shared`) says
+which engine and pool replay it. Replays go through one module-level autograd Function; the hot
+path is a few attribute reads, the argument checks, the copy-in, and one core call.
+
+Aliasing, as with ``torch.cuda.make_graphed_callables``: outputs and input grads are detached
+views of static buffers that later replays overwrite. gograph adds two aliasing contracts of its
+own (both documented on ``make_graphed_callables``):
+
+* with ``chain_buffers`` a chained input *is* the previous layer's output buffer: the graph reads
+  it in place, so the callable must be called with that very tensor (anything else raises); its
+  input grad is the previous layer's grad-output buffer;
+* a parameter grad may be *lent*: ``.grad`` is the static buffer itself, and before a replay
+  that could overwrite it (:class:`LentGrads`) it is copied out if anything still holds it.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import _core, _plan, _torch
+from ._bodies import flat_tuple_spec
+from .engines import BACKWARD, CAPTURE_STATE, FORWARD, WGRAD, CudaEngine, Engine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._args import PassSpec
+    from ._observe import BuildStats
+    from ._reuse import BufferReuse
+    from ._te import WgradBody
+
+__all__ = ["ChainedInputError", "GraphedCallable", "LentGrads", "PassResult", "Shared", "StaticInputMismatchError"]
+
+log = logging.getLogger("gograph")
+
+
+class StaticInputMismatchError(ValueError, RuntimeError):
+    """A graphed callable was called with a tensor whose shape or device differs from its sample
+    arg's. A ValueError (a bad argument) that is also a RuntimeError (what torch raises for the
+    same mismatch in eager code)."""
+
+
+class ChainedInputError(StaticInputMismatchError):
+    """A chained input (``chain_buffers``) got another tensor than the previous layer's output,
+    which its graph reads in place."""
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What the build produced for one pass (the static buffers its graphs read and write)."""
+
+    static_inputs: tuple[Tensor, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    static_outputs: tuple[Tensor, ...]
+    output_requires_grad: tuple[bool, ...]
+    output_spec: pytree.TreeSpec
+    static_grad_outputs: tuple[Tensor | None, ...]
+    static_grad_inputs: tuple[Tensor | None, ...]
+    has_backward: bool
+    wgrad: WgradBody | None
+    chained_inputs: frozenset[int] = frozenset()
+    grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
+    seq: tuple[int, int] = (0, 0)  # capture sequence numbers of its forward and backward
+
+
+@dataclass(eq=False)
+class Shared:
+    """What the callables of one build share."""
+
+    engine: Engine
+    pool: Hashable
+    build_stats: BuildStats | None = None
+    check_replay_order: bool = False
+    retain_graph_in_backward: bool = False
+    buffer_reuse: BufferReuse | None = None
+    lent: LentGrads | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Lent parameter grads
+# ---------------------------------------------------------------------------------------------
+class _Lent:
+    __slots__ = ("seq", "pass_id", "param", "storage", "data_ptr", "baseline", "label")
+
+    def __init__(self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, label: str) -> None:
+        self.seq, self.pass_id, self.label = seq, pass_id, label
+        self.param = weakref.ref(param)
+        self.storage, self.baseline = slot.storage, slot.baseline
+        self.data_ptr = slot.static.data_ptr()
+
+
+class _GradSlot:
+    """A parameter grad returned as an owned tensor: its surface index, parameter, policy and
+    static buffer; for a lent one, the buffer's storage and how many references gograph itself
+    holds on it (counted when the build ended: anything beyond is a holder of the lent grad)."""
+
+    __slots__ = ("index", "param", "policy", "static", "storage", "baseline")
+
+    def __init__(self, index: int, param: torch.nn.Parameter, policy: str, static: Tensor) -> None:
+        self.index, self.param, self.policy, self.static = index, param, policy, static
+        self.storage = static.untyped_storage() if policy == _plan.GRAD_LEND else None
+        self.baseline = _torch.storage_use_count(self.storage) if self.storage is not None else 0
+
+
+class LentGrads:
+    """The parameter grads of one memory pool lent to ``.grad`` (static buffers themselves).
+
+    A lent buffer lives in pool memory that graphs captured before its backward may overwrite at
+    replay (the caching allocator handed them the same blocks at capture time, as eager training
+    hands a fresh ``.grad`` memory its activations freed). So before any replay of a graph whose
+    capture sequence number is at most the lending backward's, each lent buffer still held by
+    anything but gograph is copied out: ``.grad`` gets an owned copy (so do other holders of that
+    tensor object); a holder gograph cannot redirect (a view of an old ``.grad``) raises
+    RuntimeError instead of letting the replay change it. In the usual loop (step, then
+    ``zero_grad(set_to_none=True)``) nothing holds it and nothing is copied."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[_Lent] = []
+
+    def lend(self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, label: str) -> None:
+        self.entries.append(_Lent(seq, pass_id, param, slot, label))
+
+    def sweep(self, seq: int) -> None:
+        """Before replaying a graph captured as ``seq``: copy out what it could overwrite."""
+        keep = []
+        for e in self.entries:
+            if e.seq < seq:
+                keep.append(e)  # captured after that graph: no block of it was free then
+            else:
+                _copy_out(e)
+        self.entries = keep
+
+    def drop_pass(self, pass_id: int) -> None:
+        """A pass is being reset: its lent buffers are copied out now (if held)."""
+        for e in self.entries:
+            if e.pass_id == pass_id:
+                _copy_out(e)
+        self.entries = [e for e in self.entries if e.pass_id != pass_id]
+
+
+def _copy_out(e: _Lent) -> None:
+    if _torch.storage_use_count(e.storage) <= e.baseline:
+        return  # nothing but gograph holds it
+    param = e.param()
+    grad = param.grad if param is not None else None
+    if grad is not None and grad.data_ptr() == e.data_ptr:
+        with torch.no_grad():
+            grad.data = grad.clone()  # every holder of this tensor object sees the owned copy
+    if _torch.storage_use_count(e.storage) > e.baseline:
+        raise RuntimeError(
+            f"gograph: a tensor that shares the gradient buffer {e.label} lent to .grad by an earlier backward is "
+            "still alive (not that .grad itself, which was copied out), and this replay would overwrite it: "
+            "chain_buffers lends graphed backwards' static gradient buffers to .grad. Clone a gradient you "
+            "keep past the next forward (g = p.grad.clone()), or graph without chain_buffers")
+
+
+_LENT: dict[str, LentGrads] = {}
+
+
+def lent_grads(pool_key: str) -> LentGrads:
+    """The lent-grad registry of a pool (shared by every build capturing into it)."""
+    return _LENT.setdefault(pool_key, LentGrads())
+
+
+# ---------------------------------------------------------------------------------------------
+# The graphed callable
+# ---------------------------------------------------------------------------------------------
+class GraphedCallable:
+    """One graphed pass: its static buffers, called like the original callable.
+
+    Calling it copies the user args into the static inputs (skipped when an arg *is* its static
+    input), replays the forward graph and returns the outputs in the callable's structure; under
+    autograd its backward replays the backward graph.
+
+    * ``static_input_surface``: the flattened sample args, then the parameters. Shapes and devices
+      must match ``sample_args`` (StaticInputMismatchError); a dtype that differs is cast by the
+      copy-in (as torch's, for autocast); a different pytree structure or count is a TypeError; an
+      arg that requires grad where its sample did not is a ValueError (its grad would be lost).
+    * each forward call can be differentiated once (as with ``retain_graph=False``), unless graphed
+      with ``retain_graph_in_backward``.
+    * calling it while a graph capture is underway on this thread raises RuntimeError.
+    * outputs are detached views of ``static_outputs``, overwritten by the next forward replay;
+      input grads views of ``static_grad_inputs``, overwritten by later backward replays; clone
+      what must outlive them.
+    * parameter grads never become a buffer a later replay overwrites while ``.grad`` holds it
+      (``clone_param_grads_on_return``, default): an owned clone when ``.grad`` is None, or, with
+      ``chain_buffers``, the lent static buffer copied out when needed (:class:`LentGrads`).
+
+    ``reset()`` releases exactly this callable's graphs and pool references; a second call is
+    harmless; calling it afterwards raises RuntimeError saying it was reset. A finalizer that
+    never references the callable releases and forgets the pass when it is garbage. The module
+    is held through a weakref only.
+
+    TransformerEngine's extensions: captured ``sample_kwargs`` follow the positional args in the
+    surface (each must be passed by name); ``cuda_graph_stream=`` / ``cuda_graph_event=`` replay on
+    that stream (CUDA engine); :meth:`backward_dw` replays the delayed weight-gradient graph;
+    ``buffer_reuse`` says how the core planned the static buffers.
+    """
+
+    def __init__(self, spec: PassSpec, result: PassResult, pass_id: int, shared: Shared) -> None:
+        self.index, self.label, self.pass_id = spec.index, spec.label, pass_id
+        self.engine, self.pool, self.shared = shared.engine, shared.pool, shared
+        self.build_stats, self.buffer_reuse = shared.build_stats, shared.buffer_reuse
+        self._check_replay_order = shared.check_replay_order
+        self._retain_graph_in_backward = shared.retain_graph_in_backward
+        self.static_input_surface = result.static_inputs + result.params
+        self.module_params = result.params
+        self.len_user_args = len(result.static_inputs)
+        self.static_outputs = result.static_outputs
+        self.output_requires_grad = result.output_requires_grad
+        self.static_grad_outputs = result.static_grad_outputs
+        self.static_grad_inputs = result.static_grad_inputs
+        self.output_spec = result.output_spec
+        self.has_backward = result.has_backward
+        self._single_output = result.output_spec.is_leaf()
+        self._nondiff_outputs = tuple(i for i, rg in enumerate(result.output_requires_grad)
+                                      if not (rg and result.has_backward))
+        self._init_call(spec, result)
+        self._init_grads(result, shared)
+        self._module_ref = weakref.ref(spec.func) if isinstance(spec.func, torch.nn.Module) else None
+        self._training = spec.training
+        self.original_forward = spec.forward_fn if spec.module is not None else None
+        self.original_forward_is_method = spec.forward_is_method
+        self._wgrad = result.wgrad
+        self._released = False
+        # The finalizer must not reference self: it gets the engine, the pass id, the pool.
+        self._finalizer = weakref.finalize(self, _finalize, shared.engine, pass_id, shared.pool, shared.lent)
+        self._finalizer.atexit = False
+
+    def _init_call(self, spec: PassSpec, result: PassResult) -> None:
+        """Replay-time argument checks, precomputed: per user arg (static, shape, dtype, device
+        index, chained)."""
+        self._input_sig: tuple[tuple[Tensor, torch.Size, torch.dtype, int, bool], ...] = tuple(
+            (s, s.shape, s.dtype, s.get_device(), j in result.chained_inputs)
+            for j, s in enumerate(result.static_inputs))
+        self._args_spec = spec.args_spec
+        self._flat_args = spec.args_spec == flat_tuple_spec(spec.args_spec.num_leaves)
+        self._nograd_args = tuple(i for i, s in enumerate(result.static_inputs) if not s.requires_grad
+                                  ) if result.has_backward else ()
+        self._kwargs_keys = spec.kwargs_keys
+        self._kwargs_spec = spec.kwargs_spec
+        self._n_pos = spec.n_pos
+        self._cast_noted = False
+
+    def _init_grads(self, result: PassResult, shared: Shared) -> None:
+        """Per parameter grad returned as an owned tensor: (surface index, parameter, policy,
+        static buffer). Parameters marked ``skip_backward_post_hook`` (TransformerEngine/Megatron:
+        grads consumed by a fused wgrad path) are never cloned."""
+        n = self.len_user_args
+        self._param_grad_slots: tuple[_GradSlot, ...] = tuple(
+            _GradSlot(n + k, p, result.grad_policy[n + k], self.static_grad_inputs[n + k])  # type: ignore[arg-type]
+            for k, p in enumerate(result.params)
+            if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None)
+        self._lent = shared.lent if any(s.policy == _plan.GRAD_LEND for s in self._param_grad_slots) else None
+        self._fwd_seq, self._bwd_seq = result.seq
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def is_reset(self) -> bool:
+        """True once :meth:`reset` released this callable."""
+        return self._released
+
+    @property
+    def state(self) -> str:
+        """The core's lifecycle state of the pass: "building", "ready" or "reset"."""
+        return str(_core.pass_state(self.pass_id))
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The graphed module (None for functions, or when the module no longer exists)."""
+        return self._module_ref() if self._module_ref is not None else None
+
+    def __repr__(self) -> str:
+        return (f"GraphedCallable(index={self.index}, label={self.label!r}, pass_id={self.pass_id}, "
+                f"engine={self.engine.name}, {'reset' if self._released else 'ready'})")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("gograph: a graphed callable cannot be pickled or copied (it owns device graphs)")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError("gograph: a graphed callable cannot be copied (it owns device graphs); "
+                        "copy the module before graphing it")
+
+    # -- calling ------------------------------------------------------------------------------
+    def __call__(self, *user_args: Any, **user_kwargs: Any) -> Any:
+        if self._module_ref is not None:
+            module = self._module_ref()
+            if module is not None and module.training != self._training:
+                return self._call_original(module, user_args, user_kwargs)  # graphed in the other mode
+        if self._released:
+            self._raise_reset()
+        opts, flat = self._flatten_call(user_args, user_kwargs)
+        if CAPTURE_STATE.depth:
+            self._raise_nested_capture()
+        if self._nograd_args and torch.is_grad_enabled():
+            self._check_nograd(flat)
+        if self._check_replay_order:  # debug guard: refuse before any static buffer is written
+            _core.check_replay_order(self.pass_id, FORWARD)
+        if _torch.functorch_transforms_active():
+            out = _GraphedFunction.apply(self, opts, *flat, *self.module_params)
+        else:
+            out = _apply_graphed_function(self, opts, *flat, *self.module_params)
+        if self._check_replay_order and not any(o.requires_grad for o in out):
+            _core.discard_replay_order(self.pass_id)  # no backward can follow (no_grad)
+        if self._single_output:
+            return out[0]
+        return pytree.tree_unflatten(out, self.output_spec)
+
+    def _call_original(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fn = self.original_forward
+        if fn is None:  # pragma: no cover - set for every module
+            raise RuntimeError("gograph: original forward unavailable")
+        return fn(module, *args, **kwargs) if self.original_forward_is_method else fn(*args, **kwargs)
+
+    def _flatten_call(self, user_args: tuple[Any, ...], user_kwargs: dict[str, Any]) -> tuple[Any, Sequence[Any]]:
+        opts: tuple[Any, Any] | None = None
+        kw_leaves: Sequence[Any] = ()
+        if user_kwargs or self._kwargs_keys:
+            opts, kw_leaves = self._take_kwargs(user_kwargs)
+        if self._flat_args:
+            flat: Sequence[Any] = user_args
+        else:
+            flat, spec = pytree.tree_flatten(user_args)
+            if spec != self._args_spec:
+                raise TypeError(
+                    f"gograph: graphed callable {self.index} ({self.label}) must be called with args in the "
+                    f"pytree structure of its sample_args, {_structure(self._args_spec)}; got {_structure(spec)}. "
+                    "Pass the same nesting (tuples, lists, dict keys in the same order)")
+        if len(flat) != self._n_pos:
+            raise TypeError(
+                f"gograph: graphed callable {self.index} ({self.label}) was captured with {self._n_pos} tensor "
+                f"argument(s) and called with {len(flat)}; pass args in the structure of its sample_args")
+        if kw_leaves:
+            flat = (*flat, *kw_leaves)
+        return opts, flat
+
+    def _check_nograd(self, flat: Sequence[Any]) -> None:
+        for i in self._nograd_args:
+            if getattr(flat[i], "requires_grad", False):
+                raise ValueError(
+                    f"gograph: argument leaf {i} of graphed callable {self.index} ({self.label}) requires grad, but "
+                    "its sample arg did not, so the backward graph computes no grad for it and the grad would be "
+                    "silently dropped. Graph it with a sample arg that has requires_grad=True at this position, "
+                    "or pass a detached tensor")
+
+    def _take_kwargs(self, user_kwargs: dict[str, Any]) -> tuple[tuple[Any, Any] | None, Sequence[Any]]:
+        """Splits call kwargs into the replay options (``cuda_graph_stream``,
+        ``cuda_graph_event``) and the flat leaves of the captured kwargs, in key order."""
+        kwargs = dict(user_kwargs)
+        opts = None
+        if "cuda_graph_stream" in kwargs or "cuda_graph_event" in kwargs:
+            opts = (kwargs.pop("cuda_graph_stream", None), kwargs.pop("cuda_graph_event", None))
+        values = []
+        for key in self._kwargs_keys:
+            if key not in kwargs:
+                raise TypeError(
+                    f"gograph: graphed callable {self.index} ({self.label}) was initialized with kwarg {key}, but "
+                    f"it was not provided in graph replay (TransformerEngine: \"Graphed callable was initialized "
+                    f"with kwarg {key} ,but it was not provided in graph replay\")")
+            values.append(kwargs.pop(key))
+        if kwargs:
+            what = (f" that were not in its sample_kwargs {list(self._kwargs_keys)}; a graph replays only the inputs "
+                    "it was captured with") if self._kwargs_keys else (
+                    "; it takes its arguments positionally, in the structure of its sample_args")
+            raise TypeError(f"gograph: graphed callable {self.index} ({self.label}) got keyword arguments "
+                            f"{sorted(kwargs)}{what}")
+        if not self._kwargs_keys:
+            return opts, ()
+        leaves, spec = pytree.tree_flatten(values)
+        if spec != self._kwargs_spec:
+            raise TypeError(
+                f"gograph: the keyword arguments {list(self._kwargs_keys)} of graphed callable {self.index} "
+                f"({self.label}) must have the pytree structure of its sample_kwargs, "
+                f"{_structure(self._kwargs_spec)}; got {_structure(spec)}")  # type: ignore[arg-type]
+        return opts, leaves
+
+    # -- replays ------------------------------------------------------------------------------
+    def _launch(self, kind: int, opts: tuple[Any, Any] | None) -> None:
+        """Replays graph ``kind``; with ``cuda_graph_stream``/``cuda_graph_event`` on the CUDA
+        engine, on that stream (TransformerEngine's replay on a side stream)."""
+        stream = None if opts is None else opts[0]
+        if stream is None or not isinstance(self.engine, CudaEngine):
+            self.engine.replay(self.pass_id, kind)
+            return
+        current = torch.cuda.current_stream(self.engine.device)
+        if stream == current:
+            self.engine.replay(self.pass_id, kind)
+            return
+        event = opts[1]  # type: ignore[index]
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self.engine.replay(self.pass_id, kind)
+        if event is not None:
+            current.wait_event(event)
+        else:
+            current.wait_stream(stream)
+
+    def _replay_forward(self, inputs: tuple[Tensor, ...], opts: tuple[Any, Any] | None = None) -> tuple[Tensor, ...]:
+        # Snapshot the buffers before checking the lifecycle: a reset on another thread clears them
+        # after marking the callable released, so either the check sees the reset or the snapshot
+        # holds buffers that are still alive (and the core then refuses the replay).
+        sig, outputs, lent = self._input_sig, self.static_outputs, self.shared.lent
+        if self._released:
+            self._raise_reset()
+        if lent is not None and lent.entries:
+            lent.sweep(self._fwd_seq)
+        i = 0
+        for static, shape, dtype, device, chained in sig:
+            new = inputs[i]
+            if new is not static:
+                try:
+                    ok = new.shape == shape and new.dtype is dtype and new.get_device() == device
+                except AttributeError:  # not a tensor
+                    ok = False
+                if not ok:
+                    self._check_arg(i, new, chained)
+                if static.data_ptr() != new.data_ptr():
+                    if chained:
+                        self._raise_unchained(i, new)
+                    static.copy_(new)
+                elif chained and new.stride() != static.stride():
+                    self._raise_unchained(i, new)
+            i += 1
+        if opts is None:
+            self.engine.replay(self.pass_id, FORWARD)
+        else:
+            self._launch(FORWARD, opts)
+        return tuple([o.detach() for o in outputs])
+
+    def _replay_backward(self, grads: tuple[Tensor | None, ...], opts: tuple[Any, Any] | None = None) -> tuple[Tensor | None, ...]:
+        static_grad_outputs, static_grad_inputs, lent = self.static_grad_outputs, self.static_grad_inputs, self.shared.lent
+        if self._released:
+            self.engine.replay(self.pass_id, BACKWARD)  # raises: "... was reset ..."
+            raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
+        if len(grads) != len(static_grad_outputs):
+            raise AssertionError(f"len(grads)={len(grads)} != len(static_grad_outputs)={len(static_grad_outputs)}")
+        if lent is not None and lent.entries:
+            lent.sweep(self._bwd_seq)
+        for static, grad in zip(static_grad_outputs, grads):
+            # don't copy if the incoming grad is already in the right place (a chained grad output)
+            if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        if opts is None:
+            self.engine.replay(self.pass_id, BACKWARD)
+        else:
+            self._launch(BACKWARD, opts)
+        out = [None if b is None else b.detach() for b in static_grad_inputs]
+        if self._param_grad_slots:
+            self._own_param_grads(out)
+        return tuple(out)
+
+    def _own_param_grads(self, out: list[Tensor | None]) -> None:
+        """A parameter grad must not silently *become* a static buffer (pytorch#181723): when
+        ``.grad`` is None, AccumulateGrad steals the incoming tensor as ``.grad``. It gets an
+        owned clone, or (policy lend) the buffer itself with the lent-grad registry watching it.
+        When ``.grad`` exists AccumulateGrad only adds into it, so nothing is cloned."""
+        for slot in self._param_grad_slots:
+            i, param = slot.index, slot.param
+            if out[i] is None or param.grad is not None:
+                continue
+            if slot.policy == _plan.GRAD_LEND and self._lent is not None:
+                self._lent.lend(self._bwd_seq, self.pass_id, param, slot, f"of graphed callable {self.index} "
+                                f"({self.label}), parameter {i - self.len_user_args}")
+            else:
+                out[i] = out[i].clone()  # type: ignore[union-attr]
+
+    def backward_dw(self) -> None:
+        """Replays this pass's delayed weight-gradient graph (TransformerEngine's ``backward_dw``):
+        the ``backward_dw()`` work of the submodules that ran in its forward and reported
+        ``need_backward_dw()``. Call it after the backward of the same forward, before that pass's
+        next backward. A no-op when no submodule needed one. Then, as TransformerEngine does,
+        each such submodule's ``_trigger_wgrad_accumulation_and_reduce_hooks()`` runs if it has
+        one. After :meth:`reset` it raises RuntimeError; it never launches a destroyed graph."""
+        wgrad = self._wgrad
+        if self._released:
+            self.engine.replay(self.pass_id, WGRAD)  # the core raises: "... was reset ..."
+            raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset; "
+                               "backward_dw() has no weight-gradient graph to replay")
+        if wgrad is None:
+            return
+        self.engine.replay(self.pass_id, WGRAD)
+        for m in wgrad.modules():
+            trigger = getattr(m, "_trigger_wgrad_accumulation_and_reduce_hooks", None)
+            if trigger is not None and m.need_backward_dw():
+                trigger()
+
+    # -- errors -------------------------------------------------------------------------------
+    def _raise_nested_capture(self) -> None:
+        raise RuntimeError(
+            f"gograph: graphed callable {self.index} ({self.label}) was called while a graph capture is "
+            "underway on this thread (inside another make_graphed_callables capture): a graph cannot be "
+            "replayed inside a second capture. Graph the callables together in one "
+            "make_graphed_callables call (a tuple, in the order they run), or call the original "
+            "(ungraphed) module inside the outer callable")
+
+    def _check_arg(self, i: int, new: Any, chained: bool) -> None:
+        """The slow path of the argument check: raises for what a graph cannot replay; a dtype
+        the copy-in casts (torch's autocast pattern) is accepted (noted once per callable)."""
+        static, shape, dtype, device, _ = self._input_sig[i]
+        where = f"argument leaf {i} of graphed callable {self.index} ({self.label})"
+        if not isinstance(new, Tensor):
+            raise TypeError(f"gograph: {where} is of type {type(new).__name__}, not a Tensor; graphed "
+                            "callables take tensors in the structure of their sample_args")
+        captured = f"shape {tuple(shape)}, dtype {dtype}, device {static.device}"
+        got = f"shape {tuple(new.shape)}, dtype {new.dtype}, device {new.device}"
+        if new.shape != shape or new.get_device() != device or chained:
+            raise StaticInputMismatchError(
+                f"gograph: {where} has {got}, but the graph was captured with {captured}. A graph replays "
+                "fixed shapes and devices (it would not broadcast or move): pass a matching tensor "
+                "(e.g. .to(...)), or graph a separate callable for this shape")
+        if not self._cast_noted:
+            self._cast_noted = True
+            log.debug("gograph: %s has dtype %s; the copy into its %s static input casts it (as torch's "
+                      "graphed callables do, e.g. under autocast)", where, new.dtype, dtype)
+
+    def _raise_unchained(self, i: int, new: Tensor) -> None:
+        raise ChainedInputError(
+            f"gograph: argument leaf {i} of graphed callable {self.index} ({self.label}) is chained "
+            "(chain_buffers=True): its graph reads the previous graphed callable's output buffer in place, so it "
+            "must be called with that output itself (the tensor the previous callable returned), not another "
+            "tensor: copying into the buffer would change the previous callable's output, which you hold and its "
+            "backward may read. Call the layers in the order they were graphed, each on the previous one's "
+            "output, or graph without chain_buffers")
+
+    def _raise_reset(self) -> None:
+        self.engine.replay(self.pass_id, FORWARD)  # the core's message: "... was reset ..."
+        raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Releases this callable's graphs and pool references and drops its static buffers.
+
+        Waits for the device first (a replay may still be running). Harmless when called again.
+        Afterwards, calling the callable raises RuntimeError saying it was reset (a module whose
+        train/eval mode differs from the captured one still runs its original forward)."""
+        if self._released:
+            return
+        try:
+            if self.shared.lent is not None:
+                self.shared.lent.drop_pass(self.pass_id)
+            self.engine.synchronize()
+            self.engine.release(self.pass_id, self.pool)
+        finally:
+            self._released = True
+            self.static_input_surface = self.static_outputs = self.module_params = ()
+            self.static_grad_outputs = self.static_grad_inputs = ()
+            self._param_grad_slots, self._input_sig, self._wgrad = (), (), None
+        log.debug("gograph: reset pass %d (%s)", self.pass_id, self.label)
+
+
+def _finalize(engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | None) -> None:
+    if lent is not None:
+        try:
+            lent.drop_pass(pass_id)
+        except Exception as e:  # a finalizer must not raise
+            log.warning("gograph: copying out the lent gradients of pass %d: %s", pass_id, str(e))
+    engine.finalize_pass(pass_id, pool)
+
+
+class _Leaf:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "T"
+
+
+def _structure(spec: pytree.TreeSpec) -> str:
+    """A one-line picture of an args structure, leaves drawn as T: ``({'a': T, 'b': T},)``."""
+    try:
+        return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
+    except Exception:  # pragma: no cover - exotic node types
+        return str(spec).replace("\n", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The autograd node
+# ---------------------------------------------------------------------------------------------
+class _GraphedFunction(torch.autograd.Function):
+    """The autograd node of a graphed call (torch's ``Graphed``, with the per-callable state
+    passed in as the first, non-tensor, argument)."""
+
+    @staticmethod
+    def forward(ctx: Any, graphed: GraphedCallable, opts: tuple[Any, Any] | None,  # type: ignore[override]
+                *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.graphed = graphed
+        ctx.opts = opts  # cuda_graph_stream / cuda_graph_event, also used by the backward
+        outputs = graphed._replay_forward(inputs, opts)
+        if graphed._nondiff_outputs:
+            ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): the graph's backward is not differentiable; without
+            # create_graph autograd runs this with grad mode off, and once_differentiable's
+            # no_grad context and input scan would only cost time on every replay.
+            return _graphed_backward_once_differentiable(ctx, *grads)
+        return _graphed_backward(ctx, *grads)
+
+
+def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+    graphed: GraphedCallable = ctx.graphed
+    if graphed._check_replay_order:  # debug guard: refuse before the grad buffers are written
+        _core.check_replay_order(graphed.pass_id, BACKWARD)
+    if getattr(ctx, "gograph_backward_done", False) and not graphed._retain_graph_in_backward:
+        # The backward graph consumes its forward's activations (their pool memory is reused
+        # inside the backward graph), so a second run would compute from overwritten memory.
+        raise RuntimeError(
+            f"gograph: trying to backward through graphed callable {graphed.index} ({graphed.label}) a second "
+            "time for the same forward call. A graphed backward can run once per forward (retain_graph=True "
+            "cannot keep graph activations unless the callable was graphed with retain_graph_in_backward=True): "
+            "call the graphed callable again and backward through its new outputs")
+    ctx.gograph_backward_done = True
+    return (None, None, *graphed._replay_backward(grads, ctx.opts))
+
+
+_graphed_backward_once_differentiable = once_differentiable(_graphed_backward)
+_apply_graphed_function: Callable[..., Any] = _torch.cpp_function_apply(_GraphedFunction)
