@@ -1,7 +1,8 @@
-# gograph developer entry points. The README's two commands are `make demo` and `make test`.
+# gograph developer entry points. The README's two commands are `make demo` and `make test`;
+# CONTRIBUTING.md explains the rest.
 #
 # Everything runs in .venv (created on first use from CPython 3.12 when available, since the
-# GPU machine runs 3.12; any 3.10-3.12 works). Go >= 1.26 and a C compiler must be on PATH.
+# GPU machine runs 3.12; any 3.10-3.13 works). Go >= 1.26 and a C compiler must be on PATH.
 
 SHELL := /bin/bash
 PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12 2>/dev/null) python3)
@@ -9,58 +10,82 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.11.*
 GO ?= go
+GOBIN_TOOLS := $(CURDIR)/.tools
+# Python sources the checks read (the gopy-generated wrappers are excluded in pyproject.toml).
+PY_SOURCES := python bench tests examples scripts build_support setup.py
 # The CUDA header and link stub that `setup.py` found/made, reused for `go vet -tags cuda`.
 CUDA_INCLUDE = $(shell $(PY) -c 'from build_support.cudastub import find_cuda_header as f; h=f()[0]; print(h.include_dir if h else "")')
+# Rebuild the extensions only when what they are built from changes.
+GO_SOURCES := $(shell find gograph internal -name '*.go' -not -name '*_test.go') go.mod go.sum
+BUILT := $(VENV)/.built-$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("SOABI"))' 2>/dev/null)
+Q := $(if $(V),,@)
 
-.PHONY: venv build test test-go test-py vet fuzz fuzz-short demo bench gpu-bundle gpu-run clean
+.PHONY: venv build test test-go test-py lint vet fuzz fuzz-short demo bench gpu-bundle clean
 
 venv: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel "nvidia-cuda-runtime-cu12>=12.4,<13"
-	touch $@
+	$(Q)echo "setting up $(VENV): torch ($(TORCH_SPEC), ~2.7 GB with its CUDA libraries), build and check tools"
+	$(Q)$(PYTHON) -m venv $(VENV)
+	$(Q)$(PY) -m pip install -q --upgrade pip
+	$(Q)$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel \
+		"nvidia-cuda-runtime-cu12>=12.4,<13" "ruff==0.17.6" "mypy==2.4.1"
+	$(Q)touch $@
 
 # Builds both flavors in place (python/gograph/_core_cpu, _core_cuda) for the venv's CPython.
-build: venv
-	$(PY) setup.py -q build_ext --inplace
+build: $(BUILT)
+$(BUILT): $(VENV)/.ready $(GO_SOURCES) setup.py $(wildcard build_support/*.py)
+	$(Q)echo "building the Go core (cpu and cuda flavors)$(if $(V),, -- V=1 shows the build)"
+	$(Q)$(PY) setup.py -q build_ext --inplace $(if $(V),,> .build.log 2>&1 || { cat .build.log; exit 1; })
+	$(Q)touch $@
 
 vet:
-	@test -z "$$(gofmt -l gograph internal tools)" || { echo "gofmt needed:"; gofmt -l gograph internal tools; exit 1; }
-	$(GO) vet ./...
+	$(Q)test -z "$$(gofmt -l gograph internal tools)" || { echo "gofmt needed:"; gofmt -l gograph internal tools; exit 1; }
+	$(Q)$(GO) vet ./...
+
+$(GOBIN_TOOLS)/staticcheck: go.mod go.sum
+	$(Q)GOBIN=$(GOBIN_TOOLS) $(GO) install honnef.co/go/tools/cmd/staticcheck
+
+# Static checks: ruff (lint and format), mypy on the package (with its typed core stub), and
+# staticcheck on both flavors of the Go code.
+lint: venv build $(GOBIN_TOOLS)/staticcheck
+	$(Q)$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(Q)$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(Q)$(VENV)/bin/mypy
+	$(Q)$(GOBIN_TOOLS)/staticcheck ./...
+	$(Q)CGO_CPPFLAGS="-I$(CUDA_INCLUDE)" LIBRARY_PATH="$(CURDIR)/_gopy_build/cudastub" $(GOBIN_TOOLS)/staticcheck -tags cuda ./...
 
 test-go: vet build
 	$(GO) test -race -count=1 ./...
-	CGO_CPPFLAGS="-I$(CUDA_INCLUDE)" LIBRARY_PATH="$(CURDIR)/_gopy_build/cudastub" $(GO) vet -tags cuda ./...
+	$(Q)CGO_CPPFLAGS="-I$(CUDA_INCLUDE)" LIBRARY_PATH="$(CURDIR)/_gopy_build/cudastub" $(GO) vet -tags cuda ./...
 
 test-py: build
 	PYTHONPATH=python $(PY) -m pytest -q tests
 
-# The README's test command: Go vet + race tests, both flavors compiled, pytest (CPU here;
-# `cuda`-marked tests skip with a reason when there is no GPU), and a short run of every fuzz target.
-test: test-go test-py fuzz-short
+# The README's test command: static checks, Go vet + race tests, both flavors compiled, pytest
+# (CPU here; `cuda`-marked tests skip with a reason when there is no GPU), and a short run of
+# every fuzz target.
+test: lint test-go test-py fuzz-short
 
 # Every Go fuzz target (discovered with `go test -list`), one after the other: ~5s each in
 # `make test`, longer with `make fuzz` (FUZZTIME=10m make fuzz for a soak; see docs/RELIABILITY.md).
 fuzz-short:
-	GO=$(GO) FUZZTIME=$${FUZZTIME:-5s} bash scripts/fuzz.sh
+	$(Q)GO=$(GO) FUZZTIME=$${FUZZTIME:-5s} bash scripts/fuzz.sh
 
 fuzz:
-	GO=$(GO) FUZZTIME=$${FUZZTIME:-60s} bash scripts/fuzz.sh
+	$(Q)GO=$(GO) FUZZTIME=$${FUZZTIME:-60s} bash scripts/fuzz.sh
 
 # The README's main job: graph a small model and print what it gained.
 demo: build
-	PYTHONPATH=python $(PY) examples/demo.py
+	$(Q)PYTHONPATH=python $(PY) examples/demo.py
 
 bench: build
 	PYTHONPATH=python $(PY) bench/run.py
 
-# Builds what the GPU machine needs (cp312 extensions, in place); scripts/gpu-run.sh runs there.
-# See CONTRIBUTING.md: run it with the device tool, carrying the two _core_* folders.
+# Builds what the GPU machine needs (cp312 extensions, in place); see CONTRIBUTING.md.
 gpu-bundle: build
 	@$(PY) -c 'import sys; assert sys.version_info[:2]==(3,12), "the GPU machine runs CPython 3.12: set PYTHON to a 3.12 interpreter and remove .venv"'
 	@ls python/gograph/_core_cuda/_gographcore*.so python/gograph/_core_cpu/_gographcore*.so
 
 clean:
-	rm -rf _gopy_build build dist python/*.egg-info
+	rm -rf _gopy_build build dist python/*.egg-info .build.log $(VENV)/.built-*
 	rm -f python/gograph/_core_*/_gographcore*.so python/gograph/_core_*/gographcore.py python/gograph/_core_*/go.py

@@ -9,6 +9,7 @@
 Needs Go and a C compiler on PATH; gopy and goimports are installed from the versions pinned
 in go.mod (tools/tools.go) into .tools/ when missing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,10 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
 def _require_go() -> str:
     go = shutil.which("go")
     if go is None:
-        raise RuntimeError("building gograph needs the Go toolchain (go >= 1.26) on PATH: "
-                           "install Go from your package manager or go.dev, then retry")
+        raise RuntimeError(
+            "building gograph needs the Go toolchain (go >= 1.26) on PATH: "
+            "install Go from your package manager or go.dev, then retry"
+        )
     return go
 
 
@@ -73,8 +76,10 @@ class BuildGopy(build_ext):
             if header is None:
                 msg = "no usable cuda.h for the CUDA flavor:\n  " + "\n  ".join(notes)
                 if choice == "1":
-                    raise RuntimeError(msg + "\nset GOGRAPH_CUDA_INCLUDE to a CUDA 11.8-12.x include "
-                                       "folder or `pip install nvidia-cuda-runtime-cu12`")
+                    raise RuntimeError(
+                        msg + "\nset GOGRAPH_CUDA_INCLUDE to a CUDA 11.8-12.x include "
+                        "folder or `pip install nvidia-cuda-runtime-cu12`"
+                    )
                 print("gograph build: skipping the CUDA flavor; " + msg, flush=True)
             self._cuda_header = header
         if self._cuda_header is None:
@@ -97,14 +102,30 @@ class BuildGopy(build_ext):
             env["CGO_CPPFLAGS"] = (env.get("CGO_CPPFLAGS", "") + f" -I{header.include_dir}").strip()
             env["LIBRARY_PATH"] = os.pathsep.join(p for p in [str(stub.parent), env.get("LIBRARY_PATH", "")] if p)
             args.append("-build-tags=cuda")
-            print(f"gograph build: CUDA flavor against {header.include_dir}/cuda.h "
-                  f"(CUDA_VERSION {header.version})", flush=True)
+            print(
+                f"gograph build: CUDA flavor against {header.include_dir}/cuda.h (CUDA_VERSION {header.version})",
+                flush=True,
+            )
         # gopy's output folder must lie inside the Go module, and a leading "_" keeps the
         # generated main package out of `go list ./...`.
         out = HERE / "_gopy_build" / f"{sysconfig.get_config_var('SOABI')}-{ext.flavor}"
         shutil.rmtree(out, ignore_errors=True)
-        _run([str(tools / "gopy"), "build", f"-output={out}", f"-vm={sys.executable}", f"-name={GOPY_NAME}",
-              "-rename=true", "-dynamic-link=true", "-no-make", "-no-warn", *args, GO_PACKAGE], env)
+        _run(
+            [
+                str(tools / "gopy"),
+                "build",
+                f"-output={out}",
+                f"-vm={sys.executable}",
+                f"-name={GOPY_NAME}",
+                "-rename=true",
+                "-dynamic-link=true",
+                "-no-make",
+                "-no-warn",
+                *args,
+                GO_PACKAGE,
+            ],
+            env,
+        )
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(out / f"_{GOPY_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}", dest)

@@ -7,24 +7,26 @@ each and the median per-round ratio are reported. Then one graphing of each is p
 cProfile (top functions by own time), and gograph's build statistics split its time into
 warmup, captures and the rest.
 
-  python bench/capture_time.py [--only W2,W1] [--rounds 9] [--warmup-iters 3] [--phases | --timeline] [--cpu N] [--profile [--dump-dir D]] [--json out.json]
+  python bench/capture_time.py [--only W2,W1] [--rounds 9] [--warmup-iters 3] [--phases | --timeline]
+                               [--cpu N] [--profile [--dump-dir D]] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
 import cProfile
 import gc
 import io
-import os
 import json
+import os
 import pstats
 import statistics
 import time
 
 import torch
+from run import WORKLOADS, Workload, make_layers, make_samples, step, ungraph
 
 import gograph
-from run import WORKLOADS, Workload, make_layers, make_samples, step, ungraph
 
 MAKERS = {"torch": torch.cuda.make_graphed_callables, "gograph": gograph.make_graphed_callables}
 
@@ -49,8 +51,13 @@ def teardown(maker: str, layers, graphed) -> None:
     torch.cuda.empty_cache()
 
 
-def one_graphing(w: Workload, maker: str, warmup_iters: int, profiler: cProfile.Profile | None = None,
-                 clock: PhaseClock | None = None):
+def one_graphing(
+    w: Workload,
+    maker: str,
+    warmup_iters: int,
+    profiler: cProfile.Profile | None = None,
+    clock: PhaseClock | None = None,
+):
     layers, samples = prepared(w)
     make = MAKERS[maker]
     if profiler is not None:
@@ -69,8 +76,12 @@ def one_graphing(w: Workload, maker: str, warmup_iters: int, profiler: cProfile.
     if maker == "gograph":
         stats = graphed[0].forward.build_stats
         caps = sum(c.seconds for c in stats.captures)
-        split = {"build_s": stats.seconds, "warmup_s": stats.warmup_seconds, "captures_s": caps,
-                 "captures": len(stats.captures)}
+        split = {
+            "build_s": stats.seconds,
+            "warmup_s": stats.warmup_seconds,
+            "captures_s": caps,
+            "captures": len(stats.captures),
+        }
     teardown(maker, layers, graphed)
     return seconds, split
 
@@ -179,20 +190,36 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
             clock.mark(torch.cuda.graph, "__enter__", "first capture")
             clock.mark(torch.cuda.graph, "__exit__", "last capture ends", last_return=True)
         else:
-            for owner, attr in ((_build.Build, "_warmup"), (_args, "normalize"), (_args, "check_for_engine"),
-                                (_build.Build, "_plan"), (_captures, "capture_forward"), (_captures, "capture_backward"),
-                                (_warmup, "warm_forward"), (_warmup, "warm_backward"),
-                                (graphed.GraphedCallable, "__init__"), (_plan, "plan_schedule"),
-                                (engines.Engine, "capture"), (engines.Engine, "new_pass"),
-                                (engines.Engine, "seal"), (engines.CudaEngine, "_transaction"),
-                                (engines.CudaEngine, "get_rng_state"), (engines.CudaEngine, "set_rng_state"),
-                                (engines.CudaEngine, "memory_allocated"), (_observe.BuildStats, "begin"),
-                                (_observe.BuildStats, "close"), (_observe.CaptureProbe, "finished")):
+            for owner, attr in (
+                (_build.Build, "_warmup"),
+                (_args, "normalize"),
+                (_args, "check_for_engine"),
+                (_build.Build, "_plan"),
+                (_captures, "capture_forward"),
+                (_captures, "capture_backward"),
+                (_warmup, "warm_forward"),
+                (_warmup, "warm_backward"),
+                (graphed.GraphedCallable, "__init__"),
+                (_plan, "plan_schedule"),
+                (engines.Engine, "capture"),
+                (engines.Engine, "new_pass"),
+                (engines.Engine, "seal"),
+                (engines.CudaEngine, "_transaction"),
+                (engines.CudaEngine, "get_rng_state"),
+                (engines.CudaEngine, "set_rng_state"),
+                (engines.CudaEngine, "memory_allocated"),
+                (_observe.BuildStats, "begin"),
+                (_observe.BuildStats, "close"),
+                (_observe.CaptureProbe, "finished"),
+            ):
                 clock.wrap(owner, attr)
             for attr in ("begin_pass_capture", "end_pass_capture", "plan_warmup", "plan_capture", "new_pass"):
                 clock.wrap(_core, attr, f"core.{attr}")
-            for attr, name in (("warmup_started", "warmup starts"), ("warmup_finished", "warmup ends"),
-                               ("close", "build closes")):
+            for attr, name in (
+                ("warmup_started", "warmup starts"),
+                ("warmup_finished", "warmup ends"),
+                ("close", "build closes"),
+            ):
                 clock.mark(_observe.BuildStats, attr, name)
             clock.mark(engines.Engine, "seal", "first seal")
             clock.mark(engines.Engine, "capture", "first capture")
@@ -210,13 +237,18 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
                     marks.setdefault(k, []).append(v)
         finally:
             clock.restore()
-        out.append(f"--- {w.name} {maker}: median {statistics.median(totals) * 1e3:.1f} ms per graphing; "
-                   "median ms inside:")
+        out.append(
+            f"--- {w.name} {maker}: median {statistics.median(totals) * 1e3:.1f} ms per graphing; median ms inside:"
+        )
         for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
             out.append(f"    {k:42} {statistics.median(v) * 1e3:8.2f}  (x{len(v)}/{rounds} graphings)")
         if marks:
-            out.append("    timeline (median ms from the call): " + ", ".join(
-                f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1][0])))
+            out.append(
+                "    timeline (median ms from the call): "
+                + ", ".join(
+                    f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1][0])
+                )
+            )
     return "\n".join(out)
 
 
@@ -226,19 +258,23 @@ def compare(w: Workload, rounds: int, warmup_iters: int) -> dict:
     times: dict[str, list[float]] = {m: [] for m in MAKERS}
     splits = []
     for r in range(rounds):
-        for maker in (("torch", "gograph") if r % 2 == 0 else ("gograph", "torch")):
+        for maker in ("torch", "gograph") if r % 2 == 0 else ("gograph", "torch"):
             s, split = one_graphing(w, maker, warmup_iters)
             times[maker].append(s)
             if split is not None:
                 splits.append(split)
     ratios = sorted(g / t for g, t in zip(times["gograph"], times["torch"]))
-    return {"workload": w.name, "rounds": rounds, "warmup_iters": warmup_iters,
-            "best_s": {m: min(v) for m, v in times.items()},
-            "median_s": {m: statistics.median(v) for m, v in times.items()},
-            "median_round_ratio": statistics.median(ratios),
-            "gograph_captures_s_median": statistics.median(s["captures_s"] for s in splits),
-            "gograph_warmup_s_median": statistics.median(s["warmup_s"] for s in splits),
-            "captures": splits[0]["captures"] if splits else 0}
+    return {
+        "workload": w.name,
+        "rounds": rounds,
+        "warmup_iters": warmup_iters,
+        "best_s": {m: min(v) for m, v in times.items()},
+        "median_s": {m: statistics.median(v) for m, v in times.items()},
+        "median_round_ratio": statistics.median(ratios),
+        "gograph_captures_s_median": statistics.median(s["captures_s"] for s in splits),
+        "gograph_warmup_s_median": statistics.median(s["warmup_s"] for s in splits),
+        "captures": splits[0]["captures"] if splits else 0,
+    }
 
 
 def profile(w: Workload, warmup_iters: int, top: int, dump_dir: str = "") -> str:
@@ -263,8 +299,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--phases", action="store_true", help="time the main phases of each maker")
     p.add_argument("--timeline", action="store_true", help="only the phase boundaries (less perturbation)")
-    p.add_argument("--cpu", type=int, default=-1,
-                   help="pin the process to this CPU core (less host noise; autograd's device thread shares it)")
+    p.add_argument(
+        "--cpu",
+        type=int,
+        default=-1,
+        help="pin the process to this CPU core (less host noise; autograd's device thread shares it)",
+    )
     p.add_argument("--json", default="")
     p.add_argument("--dump-dir", default="", help="write each cProfile as capture-<load>-<maker>.prof here")
     a = p.parse_args()
@@ -280,19 +320,22 @@ def main() -> None:
         c = compare(w, rounds, a.warmup_iters)
         results.append(c)
         b, m = c["best_s"], c["median_s"]
-        print(f"{name} capture time ({c['rounds']} alternating rounds, {a.warmup_iters} warmup iters): "
-              f"best s torch {b['torch']:.4f} gograph {b['gograph']:.4f}; median s torch {m['torch']:.4f} "
-              f"gograph {m['gograph']:.4f}; gograph/torch best x{b['gograph'] / b['torch']:.3f}, median "
-              f"per-round x{c['median_round_ratio']:.3f}; gograph's warmup takes {c['gograph_warmup_s_median']:.4f} s "
-              f"and its {c['captures']} captures {c['gograph_captures_s_median']:.4f} s of it (medians)")
+        print(
+            f"{name} capture time ({c['rounds']} alternating rounds, {a.warmup_iters} warmup iters): "
+            f"best s torch {b['torch']:.4f} gograph {b['gograph']:.4f}; median s torch {m['torch']:.4f} "
+            f"gograph {m['gograph']:.4f}; gograph/torch best x{b['gograph'] / b['torch']:.3f}, median "
+            f"per-round x{c['median_round_ratio']:.3f}; gograph's warmup takes {c['gograph_warmup_s_median']:.4f} s "
+            f"and its {c['captures']} captures {c['gograph_captures_s_median']:.4f} s of it (medians)"
+        )
         if a.phases or a.timeline:
             print(phases(w, rounds, a.warmup_iters, detail=a.phases))
         if a.profile:
             print(profile(w, a.warmup_iters, a.top, a.dump_dir))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"results": results, "device": torch.cuda.get_device_name(), "torch": torch.__version__}, f,
-                      indent=1)
+            json.dump(
+                {"results": results, "device": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

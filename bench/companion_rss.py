@@ -6,6 +6,7 @@ tracemalloc differences for the full gograph cycle.
 
   python bench/companion_rss.py [--cycles 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,11 @@ def measure(name, fn, cycles):
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    print(f"{name:44} RSS {(rss_bytes() - r0) / cycles:+10.0f} B/rep, gc objects {(len(gc.get_objects()) - n0) / cycles:+.2f}/rep",
-          flush=True)
+    print(
+        f"{name:44} RSS {(rss_bytes() - r0) / cycles:+10.0f} B/rep, "
+        f"gc objects {(len(gc.get_objects()) - n0) / cycles:+.2f}/rep",
+        flush=True,
+    )
 
 
 def main():
@@ -92,7 +96,7 @@ def main():
     warnings.resetwarnings()
     measure("empty relaxed capture, new pool", lambda: empty_companion(quiet=True), a.cycles)
     measure("empty relaxed capture, shared anchored pool", lambda: empty_companion(shared, quiet=True), a.cycles)
-    measure("empty, new pool, warning not silenced", lambda: empty_companion(), a.cycles)
+    measure("empty, new pool, warning not silenced", empty_companion, a.cycles)
     measure("one kernel, new pool", lambda: empty_companion(kernel=True, scratch=scratch), a.cycles)
     measure("one kernel, shared anchored pool", lambda: empty_companion(shared, kernel=True, scratch=scratch), a.cycles)
     measure("gograph cycle without dropout", lambda: gograph_cycle(False), a.cycles)

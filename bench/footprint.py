@@ -16,6 +16,7 @@ and the memory report's static bytes.
   python bench/footprint.py --arms eager,gograph,gograph:chain_buffers=1
   python bench/footprint.py --cell chain gograph none      # one cell, in this process (JSON line)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-import gograph  # noqa: E402
-from workloads import WORKLOADS, param_digest, workload  # noqa: E402
+import gograph
+
+from workloads import WORKLOADS, param_digest, workload
 
 MiB = 2**20
 MODES = {"none": True, "zero": False}  # zero_grad(set_to_none=...)
@@ -47,8 +49,9 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
     return maker, kwargs
 
 
-def graph(maker: str, kwargs: dict[str, Any], wl: Any, layers: list[torch.nn.Module],
-          device: torch.device) -> tuple[list[Any], Any]:
+def graph(
+    maker: str, kwargs: dict[str, Any], wl: Any, layers: list[torch.nn.Module], device: torch.device
+) -> tuple[list[Any], Any]:
     """The per-pass callables of a graphed arm (and gograph's result, for its report)."""
     samples = wl.sample_args(device)
     if maker == "torch":
@@ -127,22 +130,26 @@ def run_fresh(name: str, arm: str, mode: str, steps: int, small: bool) -> dict[s
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per cell, MiB and ratios to the eager and torch arms of the same workload/mode."""
     ref = {(r["workload"], r["mode"], r["arm"]): r for r in rows}
-    out = ["| workload | zero_grad | arm | peak reserved MiB | x eager | x torch | peak allocated MiB | "
-           "build peak reserved MiB | bitwise = eager |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| workload | zero_grad | arm | peak reserved MiB | x eager | x torch | peak allocated MiB | "
+        "build peak reserved MiB | bitwise = eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['workload']} | {r['mode']} | {r['arm']} | error: {r['error']} | | | | | |")
             continue
         e = ref.get((r["workload"], r["mode"], "eager"))
         t = ref.get((r["workload"], r["mode"], "torch"))
-        ratio = lambda o: f"{r['peak_reserved'] / o['peak_reserved']:.3f}" if o and "peak_reserved" in o else "-"
+        ratio = lambda o, r=r: f"{r['peak_reserved'] / o['peak_reserved']:.3f}" if o and "peak_reserved" in o else "-"
         build = r.get("build_peak_reserved")
         same = "-" if r["arm"] == "eager" or not e else str(e.get("digest") == r["digest"])
         mode = "set_to_none=True" if r["mode"] == "none" else "set_to_none=False"
-        out.append(f"| {r['workload']} | {mode} | {r['arm']} | {r['peak_reserved'] / MiB:.0f} | {ratio(e)} | "
-                   f"{ratio(t)} | {r['peak_allocated'] / MiB:.0f} | "
-                   f"{'-' if build is None else f'{build / MiB:.0f}'} | {same} |")
+        out.append(
+            f"| {r['workload']} | {mode} | {r['arm']} | {r['peak_reserved'] / MiB:.0f} | {ratio(e)} | "
+            f"{ratio(t)} | {r['peak_allocated'] / MiB:.0f} | "
+            f"{'-' if build is None else f'{build / MiB:.0f}'} | {same} |"
+        )
     return "\n".join(out)
 
 
@@ -158,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell", nargs=3, metavar=("WORKLOAD", "ARM", "MODE"), help="run one cell here")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and gograph.cuda_available()):
-        print(f"bench/footprint.py needs a GPU and the CUDA core ({gograph.cuda_unavailable_reason()})",
-              file=sys.stderr)
+        print(
+            f"bench/footprint.py needs a GPU and the CUDA core ({gograph.cuda_unavailable_reason()})", file=sys.stderr
+        )
         return 2
     if args.cell:
         print(json.dumps(run_cell(*args.cell, steps=args.steps, small=args.small, detail=args.detail)))

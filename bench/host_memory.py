@@ -8,6 +8,7 @@
 
   python bench/host_memory.py [--cycles 300]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -19,6 +19,7 @@ For ``_reuse_graph_input_output_buffers`` False and True it reports
   python bench/pipeline.py [--json out.json] [--iters 10]      # GPU, CUDA flavor
   python bench/pipeline.py --cpu-smoke                         # tiny sizes, eager engine (checks)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-import gograph  # noqa: E402
+import gograph
 
 MiB = 2**20
 
@@ -68,10 +69,21 @@ class Config:
         self.passes = self.chunks * self.layers * self.micro
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pipeline_stages": self.stages, "rank": self.rank, "virtual_chunks": self.chunks,
-                "layers_per_chunk": self.layers, "microbatches": self.micro, "forward_passes": self.passes,
-                "hidden": self.hidden, "ffn": self.ffn, "rows": self.rows, "dtype": str(self.dtype),
-                "device": str(self.device), "order": self.order, "num_warmup_iters": self.warmup_iters}
+        return {
+            "pipeline_stages": self.stages,
+            "rank": self.rank,
+            "virtual_chunks": self.chunks,
+            "layers_per_chunk": self.layers,
+            "microbatches": self.micro,
+            "forward_passes": self.passes,
+            "hidden": self.hidden,
+            "ffn": self.ffn,
+            "rows": self.rows,
+            "dtype": str(self.dtype),
+            "device": str(self.device),
+            "order": self.order,
+            "num_warmup_iters": self.warmup_iters,
+        }
 
 
 def _sync(cfg: Config) -> None:
@@ -88,8 +100,9 @@ def _collect(cfg: Config) -> None:
     _sync(cfg)
 
 
-def run_schedule(cfg: Config, call: Callable[[int, torch.Tensor], torch.Tensor],
-                 inputs: list[torch.Tensor], dys: list[torch.Tensor]) -> torch.Tensor:
+def run_schedule(
+    cfg: Config, call: Callable[[int, torch.Tensor], torch.Tensor], inputs: list[torch.Tensor], dys: list[torch.Tensor]
+) -> torch.Tensor:
     """One iteration of the order: chunk c's forward of microbatch m runs its layers (passes
     prefix*M + m*L + l), its backward calls backward on the chunk output."""
     fwd = [0] * cfg.chunks
@@ -118,11 +131,15 @@ def run_schedule(cfg: Config, call: Callable[[int, torch.Tensor], torch.Tensor],
     return last
 
 
-def _timed_schedule(cfg: Config, call: Callable[[int, torch.Tensor], torch.Tensor],
-                    params: list[torch.nn.Parameter]) -> tuple[float, torch.Tensor]:
+def _timed_schedule(
+    cfg: Config, call: Callable[[int, torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter]
+) -> tuple[float, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(7)
     shape = (cfg.rows, cfg.hidden)
-    inputs = [torch.randn(shape, generator=g).to(cfg.device, cfg.dtype).requires_grad_() for _ in range(cfg.chunks * cfg.micro)]
+    inputs = [
+        torch.randn(shape, generator=g).to(cfg.device, cfg.dtype).requires_grad_()
+        for _ in range(cfg.chunks * cfg.micro)
+    ]
     dys = [torch.randn(shape, generator=g).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.micro)]
     times = []
     out = None
@@ -155,8 +172,10 @@ def eager_floor(cfg: Config) -> dict[str, int | None]:
         _collect(cfg)
         base = _allocated(cfg)
         torch.cuda.reset_peak_memory_stats(cfg.device)
-        samples = [torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
-                   for _ in range(cfg.passes)]
+        samples = [
+            torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
+            for _ in range(cfg.passes)
+        ]
         fwd = [0] * cfg.chunks
         bwd = [0] * cfg.chunks
         live: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -188,13 +207,20 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
     base = _allocated(cfg)
     if cfg.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(cfg.device)
-    samples = tuple((torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True),)
-                    for _ in range(cfg.passes))
+    samples = tuple(
+        (torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True),)
+        for _ in range(cfg.passes)
+    )
     t0 = time.perf_counter()
     graphed = gograph.make_graphed_callables(
-        tuple(layers), samples, num_warmup_iters=cfg.warmup_iters, _order=cfg.order,
-        _num_layers_per_chunk=cfg.layers, _reuse_graph_input_output_buffers=reuse,
-        engine="eager" if cfg.smoke else None)
+        tuple(layers),
+        samples,
+        num_warmup_iters=cfg.warmup_iters,
+        _order=cfg.order,
+        _num_layers_per_chunk=cfg.layers,
+        _reuse_graph_input_output_buffers=reuse,
+        engine="eager" if cfg.smoke else None,
+    )
     _sync(cfg)
     call_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(cfg.device) - base if base is not None else None
@@ -224,22 +250,26 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
         "pool_buffers_released": stats.released if stats is not None else 0,
     }
     graphed_s, graphed_out = _timed_schedule(cfg, lambda p, x: graphed[p](x), params)
-    eager_s, eager_out = _timed_schedule(cfg, lambda p, x: layers[(p // (cfg.layers * cfg.micro)) * cfg.layers
-                                                                  + p % cfg.layers](x), params)
-    result.update(graphed_schedule_seconds=graphed_s, eager_schedule_seconds=eager_s,
-                  speedup=eager_s / graphed_s if graphed_s > 0 else None,
-                  max_abs_diff_vs_eager=float((graphed_out - eager_out).abs().max()))
+    eager_s, eager_out = _timed_schedule(
+        cfg, lambda p, x: layers[(p // (cfg.layers * cfg.micro)) * cfg.layers + p % cfg.layers](x), params
+    )
+    result.update(
+        graphed_schedule_seconds=graphed_s,
+        eager_schedule_seconds=eager_s,
+        speedup=eager_s / graphed_s if graphed_s > 0 else None,
+        max_abs_diff_vs_eager=float((graphed_out - eager_out).abs().max()),
+    )
     for g in graphed:
         g.reset()
     # The schedule's last outputs and the parameters' accumulated grads belong to the training
     # loop, not to the graphing: drop them so that what is left is what graphing kept.
     for p in params:
         p.grad = None
-    del graphed, build, stats, graphed_out, eager_out
+    graphed = build = stats = graphed_out = eager_out = None  # type: ignore[assignment]
     _collect(cfg)
     # what is left of the graphing (the model itself was allocated before `base`)
     result["bytes_after_reset_and_delete"] = _allocated(cfg) - base if base is not None else None
-    del layers, params
+    layers = params = []
     return result
 
 
@@ -258,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="no-reuse,reuse", help="comma-separated: no-reuse, reuse")
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not (torch.cuda.is_available() and gograph.cuda_available()):
-        print(f"bench/pipeline.py needs a GPU and the CUDA flavor of the core ({gograph.cuda_unavailable_reason()}); "
-              "use --cpu-smoke for the eager engine", file=sys.stderr)
+        print(
+            f"bench/pipeline.py needs a GPU and the CUDA flavor of the core ({gograph.cuda_unavailable_reason()}); "
+            "use --cpu-smoke for the eager engine",
+            file=sys.stderr,
+        )
         return 2
     cfg = Config(args)
     results: dict[str, Any] = {"config": cfg.as_dict(), "results": {}}
@@ -277,40 +310,57 @@ def main(argv: list[str] | None = None) -> int:
         del g, primer
         _collect(cfg)
         results["engine_stream_workspaces_bytes"] = _allocated(cfg) - before  # type: ignore[operator]
-        print(f"one-time per process (cuBLAS workspaces of the engine's side streams): "
-              f"{_fmt(results['engine_stream_workspaces_bytes'])}")
+        print(
+            f"one-time per process (cuBLAS workspaces of the engine's side streams): "
+            f"{_fmt(results['engine_stream_workspaces_bytes'])}"
+        )
     floor = eager_floor(cfg)
     results["eager_schedule_floor"] = floor
-    print(f"eager run of the order over the samples: peak {_fmt(floor['peak_bytes'])} (the floor for any "
-          "graphing that keeps each pass's activations until its backward)")
+    print(
+        f"eager run of the order over the samples: peak {_fmt(floor['peak_bytes'])} (the floor for any "
+        "graphing that keeps each pass's activations until its backward)"
+    )
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("no-reuse", "reuse"):
             ap.error(f"unknown mode {mode!r}")
         r = bench_mode(cfg, reuse=mode == "reuse")
         results["results"][mode] = r
-        print(f"[{mode}] engine={r['engine']} call {r['call_seconds']:.2f} s (captures {r['captures']}, "
-              f"{(r['capture_seconds'] or 0):.2f} s)")
+        print(
+            f"[{mode}] engine={r['engine']} call {r['call_seconds']:.2f} s (captures {r['captures']}, "
+            f"{(r['capture_seconds'] or 0):.2f} s)"
+        )
         deltas = [d for d in (r["capture_memory_deltas"] or []) if d is not None]
         running, top = 0, 0
         for d in deltas:
             running += d
             top = max(top, running)
-        print(f"    warmup peak {_fmt(r['warmup_peak_bytes'])} (exact: {r['warmup_peak_exact']}); captures' "
-              f"allocated memory rises to {_fmt(top)} above where capture started, ends at {_fmt(running)}")
-        print(f"    peak during call {_fmt(r['peak_bytes_during_call'])}, retained after {_fmt(r['retained_bytes_after_call'])}, "
-              f"after reset+delete {_fmt(r['bytes_after_reset_and_delete'])}")
-        print(f"    slots {r['slots']} (TransformerEngine FIFO {r['te_fifo_slots']}, without reuse "
-              f"{r['buffers_without_reuse']}), pool buffers released early {r['pool_buffers_released']}")
-        print(f"    schedule iteration: graphed {r['graphed_schedule_seconds'] * 1e3:.2f} ms, eager "
-              f"{r['eager_schedule_seconds'] * 1e3:.2f} ms (x{r['speedup']:.2f}), max |graphed - eager| "
-              f"{r['max_abs_diff_vs_eager']:.3g}")
+        print(
+            f"    warmup peak {_fmt(r['warmup_peak_bytes'])} (exact: {r['warmup_peak_exact']}); captures' "
+            f"allocated memory rises to {_fmt(top)} above where capture started, ends at {_fmt(running)}"
+        )
+        print(
+            f"    peak during call {_fmt(r['peak_bytes_during_call'])}, "
+            f"retained after {_fmt(r['retained_bytes_after_call'])}, "
+            f"after reset+delete {_fmt(r['bytes_after_reset_and_delete'])}"
+        )
+        print(
+            f"    slots {r['slots']} (TransformerEngine FIFO {r['te_fifo_slots']}, without reuse "
+            f"{r['buffers_without_reuse']}), pool buffers released early {r['pool_buffers_released']}"
+        )
+        print(
+            f"    schedule iteration: graphed {r['graphed_schedule_seconds'] * 1e3:.2f} ms, eager "
+            f"{r['eager_schedule_seconds'] * 1e3:.2f} ms (x{r['speedup']:.2f}), max |graphed - eager| "
+            f"{r['max_abs_diff_vs_eager']:.3g}"
+        )
     if "reuse" in results["results"] and "no-reuse" in results["results"]:
         a, b = results["results"]["no-reuse"], results["results"]["reuse"]
         if a["retained_bytes_after_call"] is not None:
             results["reuse_saves_bytes_retained"] = a["retained_bytes_after_call"] - b["retained_bytes_after_call"]
             results["reuse_saves_bytes_peak"] = a["peak_bytes_during_call"] - b["peak_bytes_during_call"]
-            print(f"reuse saves {_fmt(results['reuse_saves_bytes_retained'])} retained, "
-                  f"{_fmt(results['reuse_saves_bytes_peak'])} peak")
+            print(
+                f"reuse saves {_fmt(results['reuse_saves_bytes_retained'])} retained, "
+                f"{_fmt(results['reuse_saves_bytes_peak'])} peak"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2, default=str)

@@ -10,6 +10,7 @@ and times core.replay itself from the main thread (forward) and autograd's threa
 
   python bench/profile_replay.py [--layers 32] [--width 256] [--rows 64] [--steps 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,9 @@ def main():
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     x = torch.randn(a.rows, a.width, device="cuda")
-    samples = lambda: tuple((torch.randn(a.rows, a.width, device="cuda").requires_grad_(i > 0),)
-                            for i in range(a.layers))
+    samples = lambda: tuple(
+        (torch.randn(a.rows, a.width, device="cuda").requires_grad_(i > 0),) for i in range(a.layers)
+    )
     eager = make_layers(a.layers, a.width)
     print(f"eager           {timeit(eager, x, a.steps):8.3f} ms/step")
     tl = make_layers(a.layers, a.width)
@@ -75,6 +77,7 @@ def main():
 
     def core_only(pass_id, kind):
         core.replay(pass_id, kind, torch._C._cuda_getCurrentRawStream(idx))
+
     eng.replay = core_only
     print(f"gograph core    {timeit(gg, x, a.steps):8.3f} ms/step")
     if raw is not None:
@@ -89,10 +92,14 @@ def main():
         t = time.perf_counter_ns()
         core.replay(pid, k, torch._C._cuda_getCurrentRawStream(idx))
         (fwd_ns if k == 0 else bwd_ns).append(time.perf_counter_ns() - t)
+
     eng.replay = timed
     timeit(gg, x, 50)
     med = lambda v: sorted(v)[len(v) // 2] / 1e3
-    print(f"core.replay median: forward (main thread) {med(fwd_ns):.2f} us, backward (autograd thread) {med(bwd_ns):.2f} us")
+    print(
+        f"core.replay median: forward (main thread) {med(fwd_ns):.2f} us, "
+        f"backward (autograd thread) {med(bwd_ns):.2f} us"
+    )
     eng.replay = orig
     # One launch, from the main thread: torch's CUDAGraph.replay() against the core's replay of a
     # graph of the same work, and the cost of one graphed forward call under no_grad.
@@ -118,22 +125,28 @@ def main():
             torch.cuda.synchronize()
             best = min(best, (time.perf_counter() - t0) / n * 1e6)
         return best
+
     pid = gg[1].forward.pass_id
     stream_of = torch._C._cuda_getCurrentRawStream
-    print(f"one launch: torch CUDAGraph.replay {per_call_us(tgraph.replay):.2f} us, core.replay "
-          f"{per_call_us(lambda: core.replay(pid, 0, stream_of(idx))):.2f} us, engine.replay "
-          f"{per_call_us(lambda: eng.replay(pid, 0)):.2f} us")
+    print(
+        f"one launch: torch CUDAGraph.replay {per_call_us(tgraph.replay):.2f} us, core.replay "
+        f"{per_call_us(lambda: core.replay(pid, 0, stream_of(idx))):.2f} us, engine.replay "
+        f"{per_call_us(lambda: eng.replay(pid, 0)):.2f} us"
+    )
     with torch.no_grad():
-        print(f"one graphed forward call under no_grad: torch {per_call_us(lambda: tg[1](x)):.2f} us, "
-              f"gograph {per_call_us(lambda: gg[1](x)):.2f} us")
+        print(
+            f"one graphed forward call under no_grad: torch {per_call_us(lambda: tg[1](x)):.2f} us, "
+            f"gograph {per_call_us(lambda: gg[1](x)):.2f} us"
+        )
     xg = x.detach().requires_grad_()
-    print(f"one graphed forward call with grad (autograd node built): torch {per_call_us(lambda: tg[1](xg)):.2f} us, "
-          f"gograph {per_call_us(lambda: gg[1](xg)):.2f} us")
+    print(
+        f"one graphed forward call with grad (autograd node built): torch {per_call_us(lambda: tg[1](xg)):.2f} us, "
+        f"gograph {per_call_us(lambda: gg[1](xg)):.2f} us"
+    )
     del tgraph
-    gg_noclone = None
     for m in gg:
         m.reset()
-    del gg, gl, tg, tl
+    gg = gl = tg = tl = None  # type: ignore[assignment]
     gc.collect()
 
 

@@ -11,6 +11,7 @@ forward without backward. (On CUDA the same host cost is added to the enqueue ti
 2. a full training iteration through the graphed modules (autograd, static copies, eager
    re-runs of tiny layers), guard off vs on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,15 @@ import timeit
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-import gograph  # noqa: E402
-from gograph import _native  # noqa: E402
+import gograph
+from gograph import _native
 
 
 def build(layers: int, guard: bool) -> list[torch.nn.Module]:
     torch.manual_seed(0)
     mods = [torch.nn.Linear(8, 8) for _ in range(layers)]
     args = tuple((torch.randn(2, 8, requires_grad=True),) for _ in range(layers))
-    gograph.make_graphed_callables(tuple(mods), args, num_warmup_iters=1, engine="eager",
-                                   debug_replay_order=guard)
+    gograph.make_graphed_callables(tuple(mods), args, num_warmup_iters=1, engine="eager", debug_replay_order=guard)
     return mods
 
 
@@ -42,6 +42,7 @@ def core_iteration(ids: list[int]):
             replay(p, 0, 0)
         for p in reversed(ids):
             replay(p, 1, 0)
+
     return run
 
 
@@ -53,6 +54,7 @@ def model_iteration(mods: list[torch.nn.Module]):
         for m in mods:
             h = m(h)
         h.sum().backward()
+
     return run
 
 
@@ -80,12 +82,18 @@ def main() -> None:
     for m in off + on:
         m.reset()
     n = 2 * a.layers
-    print(f"replay-order guard cost, {a.layers} layers ({n} replays per training iteration), eager engine, "
-          f"core flavor {_native.flavor}, best of {a.repeat} interleaved rounds")
-    print(f"  core.replay alone : off {c0 / n * 1e6:7.3f} us/replay   on {c1 / n * 1e6:7.3f} us/replay   "
-          f"(+{(c1 - c0) / n * 1e6:.3f} us)")
-    print(f"  training iteration: off {m0 * 1e6:7.1f} us/iter     on {m1 * 1e6:7.1f} us/iter     "
-          f"(+{(m1 - m0) / n * 1e6:.3f} us/replay, {100 * (m1 - m0) / m0:+.1f}%)")
+    print(
+        f"replay-order guard cost, {a.layers} layers ({n} replays per training iteration), eager engine, "
+        f"core flavor {_native.flavor}, best of {a.repeat} interleaved rounds"
+    )
+    print(
+        f"  core.replay alone : off {c0 / n * 1e6:7.3f} us/replay   on {c1 / n * 1e6:7.3f} us/replay   "
+        f"(+{(c1 - c0) / n * 1e6:.3f} us)"
+    )
+    print(
+        f"  training iteration: off {m0 * 1e6:7.1f} us/iter     on {m1 * 1e6:7.1f} us/iter     "
+        f"(+{(m1 - m0) / n * 1e6:.3f} us/replay, {100 * (m1 - m0) / m0:+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

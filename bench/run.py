@@ -11,13 +11,14 @@ eager step time for reference. Ratios are gograph / torch. Needs a GPU and the C
 
   python bench/run.py [--only W1,W2] [--steps 50] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -45,8 +46,9 @@ WORKLOADS = {
 def make_layers(w: Workload) -> list[torch.nn.Module]:
     torch.manual_seed(0)
     if w.block == "mlp":
-        mk = lambda: torch.nn.Sequential(torch.nn.Linear(w.width, w.width), torch.nn.GELU(),
-                                         torch.nn.Linear(w.width, w.width))
+        mk = lambda: torch.nn.Sequential(
+            torch.nn.Linear(w.width, w.width), torch.nn.GELU(), torch.nn.Linear(w.width, w.width)
+        )
     else:
         mk = lambda: torch.nn.Sequential(torch.nn.Linear(w.width, w.width), torch.nn.ReLU())
     return [mk().to(device="cuda", dtype=w.dtype) for _ in range(w.layers)]
@@ -54,8 +56,9 @@ def make_layers(w: Workload) -> list[torch.nn.Module]:
 
 def make_samples(w: Workload) -> tuple[tuple[torch.Tensor], ...]:
     # Layer 0 sees data (no grad); every later layer sees an activation that requires grad.
-    return tuple((torch.randn(w.rows, w.width, device="cuda", dtype=w.dtype).requires_grad_(i > 0),)
-                 for i in range(w.layers))
+    return tuple(
+        (torch.randn(w.rows, w.width, device="cuda", dtype=w.dtype).requires_grad_(i > 0),) for i in range(w.layers)
+    )
 
 
 def step(layers, x) -> None:
@@ -128,9 +131,16 @@ def measure(w: Workload, maker: str, steps: int) -> dict:
     del eager_layers, layers, x
     gc.collect()
     torch.cuda.empty_cache()
-    return dict(workload=w.name, maker=maker, capture_s=capture_s, peak_mib=peak / MiB,
-                retained_mib=retained / MiB, after_reset_mib=after / MiB,
-                graphed_step_ms=graphed_step * 1e3, eager_step_ms=eager_step * 1e3)
+    return dict(
+        workload=w.name,
+        maker=maker,
+        capture_s=capture_s,
+        peak_mib=peak / MiB,
+        retained_mib=retained / MiB,
+        after_reset_mib=after / MiB,
+        graphed_step_ms=graphed_step * 1e3,
+        eager_step_ms=eager_step * 1e3,
+    )
 
 
 def compare_steps(w: Workload, steps: int, rounds: int) -> dict:
@@ -157,7 +167,7 @@ def compare_steps(w: Workload, steps: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {m: [] for m in models}
     names = list(models)
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             mods = models[name][0]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -171,10 +181,14 @@ def compare_steps(w: Workload, steps: int, rounds: int) -> dict:
     del models
     gc.collect()
     torch.cuda.empty_cache()
-    return {"workload": w.name, "rounds": rounds, "steps_per_round": steps,
-            "best_ms": {m: min(v) for m, v in times.items()},
-            "median_ms": {m: sorted(v)[len(v) // 2] for m, v in times.items()},
-            "median_round_ratio": ratios[len(ratios) // 2]}
+    return {
+        "workload": w.name,
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "best_ms": {m: min(v) for m, v in times.items()},
+        "median_ms": {m: sorted(v)[len(v) // 2] for m, v in times.items()},
+        "median_round_ratio": ratios[len(ratios) // 2],
+    }
 
 
 def main() -> None:
@@ -196,11 +210,15 @@ def main() -> None:
     final = {}
     for r in rows:  # keep the second measurement of each (workload, maker)
         final[(r["workload"], r["maker"])] = r
-    print(f"{'load':4} {'maker':8} {'capture s':>9} {'peak MiB':>9} {'kept MiB':>9} {'after MiB':>9} "
-          f"{'step ms':>8} {'eager ms':>8}")
+    print(
+        f"{'load':4} {'maker':8} {'capture s':>9} {'peak MiB':>9} {'kept MiB':>9} {'after MiB':>9} "
+        f"{'step ms':>8} {'eager ms':>8}"
+    )
     for (wl, mk), r in sorted(final.items()):
-        print(f"{wl:4} {mk:8} {r['capture_s']:9.3f} {r['peak_mib']:9.1f} {r['retained_mib']:9.1f} "
-              f"{r['after_reset_mib']:9.2f} {r['graphed_step_ms']:8.3f} {r['eager_step_ms']:8.3f}")
+        print(
+            f"{wl:4} {mk:8} {r['capture_s']:9.3f} {r['peak_mib']:9.1f} {r['retained_mib']:9.1f} "
+            f"{r['after_reset_mib']:9.2f} {r['graphed_step_ms']:8.3f} {r['eager_step_ms']:8.3f}"
+        )
     # What "after" holds: torch keeps a cuBLAS workspace for every stream that ran a matmul until
     # the process ends. torch's maker warms up on a new side stream per call; gograph's engine
     # keeps one side stream per device. Clearing them all shows how much that is by now.
@@ -213,8 +231,10 @@ def main() -> None:
     ratios = {}
     for wl in sorted({k[0] for k in final}):
         t, g = final[(wl, "torch")], final[(wl, "gograph")]
-        ratios[wl] = {k: (g[k] / t[k] if t[k] else float("nan"))
-                      for k in ("capture_s", "peak_mib", "retained_mib", "graphed_step_ms")}
+        ratios[wl] = {
+            k: (g[k] / t[k] if t[k] else float("nan"))
+            for k in ("capture_s", "peak_mib", "retained_mib", "graphed_step_ms")
+        }
         print(f"{wl} gograph/torch: " + ", ".join(f"{k} x{v:.3f}" for k, v in ratios[wl].items()))
     steps_cmp = {}
     for name in args.only.split(","):
@@ -222,14 +242,26 @@ def main() -> None:
         c = compare_steps(w, max(5, args.steps // (5 if w.name == "W1" else 1)), args.rounds)
         steps_cmp[name] = c
         b, m = c["best_ms"], c["median_ms"]
-        print(f"{name} interleaved steps ({c['rounds']} rounds x {c['steps_per_round']}): best ms torch {b['torch']:.3f} "
-              f"gograph {b['gograph']:.3f} eager {b['eager']:.3f}; median ms torch {m['torch']:.3f} gograph "
-              f"{m['gograph']:.3f}; gograph/torch best x{b['gograph'] / b['torch']:.3f}, median per-round "
-              f"x{c['median_round_ratio']:.3f}")
+        print(
+            f"{name} interleaved steps ({c['rounds']} rounds x {c['steps_per_round']}): best ms torch {b['torch']:.3f} "
+            f"gograph {b['gograph']:.3f} eager {b['eager']:.3f}; median ms torch {m['torch']:.3f} gograph "
+            f"{m['gograph']:.3f}; gograph/torch best x{b['gograph'] / b['torch']:.3f}, median per-round "
+            f"x{c['median_round_ratio']:.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "ratios": ratios, "interleaved_steps": steps_cmp, "cublas_workspaces_mib": cublas_mib, "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__}, f, indent=1)
+            json.dump(
+                {
+                    "rows": rows,
+                    "ratios": ratios,
+                    "interleaved_steps": steps_cmp,
+                    "cublas_workspaces_mib": cublas_mib,
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

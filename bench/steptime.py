@@ -10,6 +10,7 @@ the reference arm (``--ref``, default torch).
   python bench/steptime.py --workload stack --mode none            # launch-bound stack
   python bench/steptime.py --workload chain --arms torch,gograph,gograph:chain_buffers=1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-from footprint import MODES, graph, parse_arm  # noqa: E402
-from workloads import workload  # noqa: E402
+from footprint import MODES, graph, parse_arm
+from workloads import workload
 
 
 class Arm:
@@ -36,7 +37,9 @@ class Arm:
         maker, kwargs = parse_arm(spec)
         self.layers = wl.build(device)
         self.opt = torch.optim.SGD([p for m in self.layers for p in m.parameters()], lr=1e-3)
-        self.calls = wl.eager_calls(self.layers) if maker == "eager" else graph(maker, kwargs, wl, self.layers, device)[0]
+        self.calls = (
+            wl.eager_calls(self.layers) if maker == "eager" else graph(maker, kwargs, wl, self.layers, device)[0]
+        )
         self.rounds: list[float] = []
 
     def run(self, wl: Any, batches: list[Any], set_to_none: bool) -> float:
@@ -68,19 +71,31 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:  # warm: allocator caches, cuBLAS, first-replay uploads
         arm.run(wl, batches[:3], MODES[args.mode])
     for r in range(args.rounds):
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
             arm.rounds.append(arm.run(wl, batches, MODES[args.mode]))
     ref = next((a for a in arms if a.spec == args.ref), arms[0])
-    result: dict[str, Any] = {"workload": args.workload, "mode": args.mode, "rounds": args.rounds,
-                              "steps": args.steps, "ref": ref.spec, "arms": {}}
+    result: dict[str, Any] = {
+        "workload": args.workload,
+        "mode": args.mode,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "ref": ref.spec,
+        "arms": {},
+    }
     print(f"{args.workload} zero_grad(set_to_none={MODES[args.mode]}), {args.rounds} rounds x {args.steps} steps")
     for arm in arms:
         ratios = [a / b for a, b in zip(arm.rounds, ref.rounds)]
-        row = {"best_ms": min(arm.rounds) * 1e3, "median_ms": statistics.median(arm.rounds) * 1e3,
-               "median_ratio_to_ref": statistics.median(ratios), "best_ratio_to_ref": min(arm.rounds) / min(ref.rounds)}
+        row = {
+            "best_ms": min(arm.rounds) * 1e3,
+            "median_ms": statistics.median(arm.rounds) * 1e3,
+            "median_ratio_to_ref": statistics.median(ratios),
+            "best_ratio_to_ref": min(arm.rounds) / min(ref.rounds),
+        }
         result["arms"][arm.spec] = row
-        print(f"  {arm.spec:32s} best {row['best_ms']:8.3f} ms  median {row['median_ms']:8.3f} ms  "
-              f"x{ref.spec}: median per-round {row['median_ratio_to_ref']:.3f}, best {row['best_ratio_to_ref']:.3f}")
+        print(
+            f"  {arm.spec:32s} best {row['best_ms']:8.3f} ms  median {row['median_ms']:8.3f} ms  "
+            f"x{ref.spec}: median per-round {row['median_ratio_to_ref']:.3f}, best {row['best_ratio_to_ref']:.3f}"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -17,6 +17,7 @@ the arms differ only in what graphing adds.
 
 ``--small`` sizes (tests, CPU smoke runs) keep the structure with tiny tensors.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -123,8 +124,10 @@ class Workload:
     def sample_args(self, device: torch.device) -> tuple[tuple[Tensor, ...], ...]:
         """One tuple per pass. Without an order layer 0 sees data (no grad) and every later layer
         an activation (requires grad); in the pipeline every pass's input requires grad."""
+
         def one(rg: bool) -> tuple[Tensor, ...]:
             return (torch.randn(self.input_shape, device=device, dtype=self.dtype).requires_grad_(rg),)
+
         if self.order is None:
             return tuple(one(i > 0) for i in range(self.n_layers))
         return tuple(one(True) for _ in range(self.passes))
@@ -137,6 +140,7 @@ class Workload:
     def batch(self, gen: torch.Generator, device: torch.device) -> Batch:
         def rnd(rg: bool) -> Tensor:
             return torch.randn(self.input_shape, generator=gen, device=device, dtype=self.dtype).requires_grad_(rg)
+
         if self.order is None:
             return Batch([rnd(False)])
         n = self.chunks * self.microbatches
@@ -190,12 +194,21 @@ def workload(name: str, small: bool = False) -> Workload:
         return Workload("chain", 8, (16 if small else 8192, w), torch.bfloat16, lambda: MLP(w))
     if name == "blocks":
         h, heads = (32, 4) if small else (1024, 16)
-        return Workload("blocks", 4 if small else 12, (2, 16, h) if small else (8, 1024, h), torch.bfloat16,
-                        lambda: Block(h, heads))
+        return Workload(
+            "blocks", 4 if small else 12, (2, 16, h) if small else (8, 1024, h), torch.bfloat16, lambda: Block(h, heads)
+        )
     if name == "pipeline":
         h = 32 if small else 1024
-        return Workload("pipeline", 8, (16 if small else 4096, h), torch.bfloat16, lambda: PipeLayer(h),
-                        order=megatron_order(4, 0, 4, 8), layers_per_chunk=2, microbatches=8)
+        return Workload(
+            "pipeline",
+            8,
+            (16 if small else 4096, h),
+            torch.bfloat16,
+            lambda: PipeLayer(h),
+            order=megatron_order(4, 0, 4, 8),
+            layers_per_chunk=2,
+            microbatches=8,
+        )
     if name == "stack":
         return Workload("stack", 32, (64, 256), torch.float32, lambda: LinearReLU(256))
     raise ValueError(f"unknown workload {name!r} (chain, blocks, pipeline, stack)")
@@ -213,4 +226,3 @@ def param_digest(layers: Sequence[torch.nn.Module]) -> str:
         for p in layer.parameters():
             h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
-

@@ -11,6 +11,7 @@ Why a 11.8-12.x header: gorgonia.org/cu v0.9.6 does not compile against CUDA 13'
 wheels carry. PyPI's `nvidia-cuda-runtime-cu12` wheel ships a 12.x cuda.h; it is a build
 requirement in pyproject.toml.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -73,8 +74,10 @@ def find_cuda_header() -> tuple[CudaHeader | None, list[str]]:
             notes.append(f"{origin}: no cuda.h in {inc}")
             continue
         if not (MIN_HEADER_VERSION <= v < MAX_HEADER_VERSION_EXCLUSIVE):
-            notes.append(f"{origin}: {inc}/cuda.h is CUDA_VERSION {v}; gorgonia.org/cu needs "
-                         f"{MIN_HEADER_VERSION} <= version < {MAX_HEADER_VERSION_EXCLUSIVE}")
+            notes.append(
+                f"{origin}: {inc}/cuda.h is CUDA_VERSION {v}; gorgonia.org/cu needs "
+                f"{MIN_HEADER_VERSION} <= version < {MAX_HEADER_VERSION_EXCLUSIVE}"
+            )
             continue
         return CudaHeader(inc, v), notes
     return None, notes
@@ -85,8 +88,12 @@ _DRIVER_FN = re.compile(r"\bCUresult\s+(cu[A-Za-z0-9_]+)\s*\(")
 
 def driver_symbols(header: CudaHeader, cc: str = "cc") -> list[str]:
     """Every driver entry point the header declares, after its #define renames (…_v2)."""
-    pre = subprocess.run([cc, "-E", "-P", "-I", str(header.include_dir), str(header.include_dir / "cuda.h")],
-                         check=True, capture_output=True, text=True).stdout
+    pre = subprocess.run(
+        [cc, "-E", "-P", "-I", str(header.include_dir), str(header.include_dir / "cuda.h")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return sorted(set(_DRIVER_FN.findall(pre)))
 
 

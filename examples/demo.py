@@ -6,10 +6,10 @@ torch.cuda.make_graphed_callables: step time, memory the graphs keep, and whethe
 parameters are bitwise equal. Without a GPU it runs the same code on gograph's eager engine (the
 CPU reference that replays by re-running the callable) and says so.
 """
+
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import time
 
@@ -67,8 +67,10 @@ def main() -> None:
         torch.backends.cudnn.allow_tf32 = False
         print(f"gograph {gograph.__version__}: CUDA engine on {torch.cuda.get_device_name(device)}")
     else:
-        print(f"gograph {gograph.__version__}: no usable GPU ({gograph.cuda_unavailable_reason()}); "
-              "running the eager engine (CPU reference: same API and lifecycle, no graphs)")
+        print(
+            f"gograph {gograph.__version__}: no usable GPU ({gograph.cuda_unavailable_reason()}); "
+            "running the eager engine (CPU reference: same API and lifecycle, no graphs)"
+        )
 
     g = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randn(args.batch, args.width, generator=g).to(device) for _ in range(4)]
@@ -98,18 +100,23 @@ def main() -> None:
         del graphed, model
         gc.collect()
 
-    print(f"model: {args.depth} x (Linear({args.width},{args.width}) + ReLU), batch {args.batch}, "
-          f"{args.steps} SGD steps")
+    print(
+        f"model: {args.depth} x (Linear({args.width},{args.width}) + ReLU), batch {args.batch}, {args.steps} SGD steps"
+    )
     print(f"  eager              {eager_t * 1e3:8.3f} ms/step")
     for name, (step, retained, same) in results.items():
-        print(f"  {name:<18} {step * 1e3:8.3f} ms/step  x{eager_t / step:5.2f} vs eager  "
-              f"graph memory kept {retained / 2**20:7.2f} MiB  params bitwise equal to eager: {same}")
+        print(
+            f"  {name:<18} {step * 1e3:8.3f} ms/step  x{eager_t / step:5.2f} vs eager  "
+            f"graph memory kept {retained / 2**20:7.2f} MiB  params bitwise equal to eager: {same}"
+        )
     if not use_cuda:
         print("  (eager engine: no speedup expected; it exists to check graph semantics without a GPU)")
     if use_cuda and not results["torch.cuda"][2]:
-        print("  torch.cuda's graphed parameters drift from eager: it hands the static grad buffer itself to\n"
-              "  AccumulateGrad (pytorch#181723), so .grad aliases memory the next replay overwrites;\n"
-              "  gograph returns owned parameter grads")
+        print(
+            "  torch.cuda's graphed parameters drift from eager: it hands the static grad buffer itself to\n"
+            "  AccumulateGrad (pytorch#181723), so .grad aliases memory the next replay overwrites;\n"
+            "  gograph returns owned parameter grads"
+        )
     if not results["gograph"][2]:
         raise SystemExit("gograph's graphed training diverged from eager training")
 

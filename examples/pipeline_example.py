@@ -24,6 +24,7 @@ against the same model run eagerly through the same schedule.
     PYTHONPATH=python .venv/bin/python examples/pipeline_example.py            # GPU if available
     PYTHONPATH=python .venv/bin/python examples/pipeline_example.py --cpu      # eager engine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,32 @@ import gograph
 # A 4-chunk interleaved schedule over 2 microbatches: all forwards of microbatch 0, the first
 # chunks of microbatch 1, then backwards (each followed by its chunk's weight gradient)
 # interleaved with the remaining forwards -- the shape of Megatron's interleaved 1F1B.
-ORDER: list[float] = [1, 2, 3, 4, 1, 2, -4, -4.5, 3, -3, -3.5, 4, -2, -2.5, -4, -4.5,
-                      -1, -1.5, -3, -3.5, -2, -2.5, -1, -1.5]
+ORDER: list[float] = [
+    1,
+    2,
+    3,
+    4,
+    1,
+    2,
+    -4,
+    -4.5,
+    3,
+    -3,
+    -3.5,
+    4,
+    -2,
+    -2.5,
+    -4,
+    -4.5,
+    -1,
+    -1.5,
+    -3,
+    -3.5,
+    -2,
+    -2.5,
+    -1,
+    -1.5,
+]
 CHUNKS, MICROBATCHES = 4, 2
 LAYERS_PER_CHUNK = [1, 1, 1, 1]  # TransformerEngine: weight-gradient entries need one layer per chunk
 
@@ -73,7 +98,7 @@ class DelayedWgradLinear(torch.nn.Module):
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
         self.bias = torch.nn.Parameter(torch.zeros(d_out))
         self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -111,21 +136,25 @@ def pass_index(chunk: int, micro: int, layer: int) -> int:
     return prefix * MICROBATCHES + micro * LAYERS_PER_CHUNK[chunk] + layer
 
 
-def run_schedule(call: Callable[[int, torch.Tensor], torch.Tensor], wgrad: Callable[[int], None],
-                 inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[float]:
+def run_schedule(
+    call: Callable[[int, torch.Tensor], torch.Tensor],
+    wgrad: Callable[[int], None],
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+) -> list[float]:
     """One step: runs ORDER; returns the loss of each microbatch.
 
     Activations and grads cross chunk boundaries as they cross pipeline stages: copied out when
     they are produced (the "send"), since a graphed callable's outputs and input grads are
     static buffers that later replays -- and, with buffer reuse, later passes -- overwrite."""
     fwd, bwd = [0] * CHUNKS, [0] * CHUNKS
-    outs: dict[tuple[int, int], torch.Tensor] = {}      # chunk outputs, for their backward
+    outs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs, for their backward
     act_sent: dict[tuple[int, int], torch.Tensor] = {}  # activations sent to the next chunk
-    recv: dict[tuple[int, int], torch.Tensor] = {}      # ... as received by it (leaves)
+    recv: dict[tuple[int, int], torch.Tensor] = {}  # ... as received by it (leaves)
     grad_sent: dict[tuple[int, int], torch.Tensor] = {}  # grads sent back to the previous chunk
     losses: dict[int, torch.Tensor] = {}
     for e in ORDER:
-        if e > 0:                                   # forward of chunk c, its next microbatch
+        if e > 0:  # forward of chunk c, its next microbatch
             c = int(e) - 1
             m = fwd[c]
             fwd[c] += 1
@@ -137,7 +166,7 @@ def run_schedule(call: Callable[[int, torch.Tensor], torch.Tensor], wgrad: Calla
             else:
                 outs[(c, m)] = x
                 act_sent[(c, m)] = x.detach().clone()
-        elif float(e).is_integer():                 # backward of chunk c
+        elif float(e).is_integer():  # backward of chunk c
             c = -int(e) - 1
             m = bwd[c]
             bwd[c] += 1
@@ -147,7 +176,7 @@ def run_schedule(call: Callable[[int, torch.Tensor], torch.Tensor], wgrad: Calla
                 outs.pop((c, m)).backward(grad_sent.pop((c, m)))
             if c > 0:
                 grad_sent[(c - 1, m)] = recv.pop((c, m)).grad.clone()
-        else:                                       # weight gradient of chunk c's latest backward
+        else:  # weight gradient of chunk c's latest backward
             c = int(-e - 0.5) - 1
             for layer in range(LAYERS_PER_CHUNK[c]):
                 wgrad(pass_index(c, bwd[c] - 1, layer))
@@ -181,10 +210,12 @@ def main() -> None:
     if use_cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # graphed and eager results compared closely
         torch.backends.cudnn.allow_tf32 = False
-    print(f"gograph {gograph.__version__}: {CHUNKS} chunks x {LAYERS_PER_CHUNK[0]} layer, {MICROBATCHES} "
-          f"microbatches, hidden {d}, {tokens} tokens/microbatch, on "
-          f"{'CUDA (' + torch.cuda.get_device_name(device) + ')' if use_cuda else 'the CPU eager engine'}"
-          + ("" if use_cuda or a.cpu else f" [no GPU: {gograph.cuda_unavailable_reason()}]"))
+    print(
+        f"gograph {gograph.__version__}: {CHUNKS} chunks x {LAYERS_PER_CHUNK[0]} layer, {MICROBATCHES} "
+        f"microbatches, hidden {d}, {tokens} tokens/microbatch, on "
+        f"{'CUDA (' + torch.cuda.get_device_name(device) + ')' if use_cuda else 'the CPU eager engine'}"
+        + ("" if use_cuda or a.cpu else f" [no GPU: {gograph.cuda_unavailable_reason()}]")
+    )
 
     torch.manual_seed(0)
     layers = [Layer(d, 4 * d).to(device) for _ in range(sum(LAYERS_PER_CHUNK))]
@@ -197,21 +228,26 @@ def main() -> None:
     # input is data (no grad); every other pass receives activations.
     sample_args = []
     for c in range(CHUNKS):
-        for m in range(MICROBATCHES):
+        for _m in range(MICROBATCHES):
             for layer in range(LAYERS_PER_CHUNK[c]):
                 first = c == 0 and layer == 0
                 sample_args.append((torch.randn(tokens, d, device=device, requires_grad=not first),))
     base_graphs = gograph.live_graphs()
 
     graphed = gograph.make_graphed_callables(
-        tuple(layers), tuple(sample_args),
-        _order=ORDER, _num_layers_per_chunk=LAYERS_PER_CHUNK,
+        tuple(layers),
+        tuple(sample_args),
+        _order=ORDER,
+        _num_layers_per_chunk=LAYERS_PER_CHUNK,
         _reuse_graph_input_output_buffers=not a.no_reuse,
-        debug_replay_order=True, progress=a.progress,
+        debug_replay_order=True,
+        progress=a.progress,
     )
     del sample_args
-    print(f"graphed {len(graphed)} forward passes: {len(graphed[0].build_stats.captures)} captures "
-          f"(forward, backward and weight gradient per pass), {gograph.live_graphs() - base_graphs} CUDA graphs")
+    print(
+        f"graphed {len(graphed)} forward passes: {len(graphed[0].build_stats.captures)} captures "
+        f"(forward, backward and weight gradient per pass), {gograph.live_graphs() - base_graphs} CUDA graphs"
+    )
 
     opt = torch.optim.SGD(params, lr=0.05)
     ref_opt = torch.optim.SGD(ref_params, lr=0.05)
@@ -223,12 +259,15 @@ def main() -> None:
         zero_grads(ref_params)
         losses = run_schedule(lambda i, x: graphed[i](x), lambda i: graphed[i].backward_dw(), inputs, targets)
         ref_losses = run_schedule(
-            lambda i, x: reference[_layer_of(i)](x), lambda i: _ref_wgrad(reference, i), inputs, targets)
+            lambda i, x: reference[_layer_of(i)](x), lambda i: _ref_wgrad(reference, i), inputs, targets
+        )
         grad_diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(params, ref_params))
         opt.step()
         ref_opt.step()
-        print(f"step {step}: losses {', '.join(f'{v:.5f}' for v in losses)} "
-              f"(eager {', '.join(f'{v:.5f}' for v in ref_losses)}), max |grad - eager grad| {grad_diff:.2e}")
+        print(
+            f"step {step}: losses {', '.join(f'{v:.5f}' for v in losses)} "
+            f"(eager {', '.join(f'{v:.5f}' for v in ref_losses)}), max |grad - eager grad| {grad_diff:.2e}"
+        )
         tol = 1e-4 if use_cuda else 1e-6
         if grad_diff > tol or any(abs(x - y) > tol for x, y in zip(losses, ref_losses)):
             raise SystemExit(f"graphed and eager results differ by more than {tol}")
@@ -240,14 +279,20 @@ def main() -> None:
     held = torch.cuda.memory_allocated(device) if use_cuda else 0
     for g in graphed:
         g.reset()
-    del graphed
+    graphed = ()
     gc.collect()
     left = gograph.live_graphs() - base_graphs
     # What stays allocated is the model, its eager twin, their grads and the last step's data.
-    print(f"\nafter reset(): {left} graphs left in the core"
-          + (f", reset() returned {(held - torch.cuda.memory_allocated(device)) / 2**20:.1f} MiB of "
-             f"graph memory, {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB still allocated "
-             "(models, grads, data)" if use_cuda else ""))
+    print(
+        f"\nafter reset(): {left} graphs left in the core"
+        + (
+            f", reset() returned {(held - torch.cuda.memory_allocated(device)) / 2**20:.1f} MiB of "
+            f"graph memory, {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB still allocated "
+            "(models, grads, data)"
+            if use_cuda
+            else ""
+        )
+    )
     if left:
         raise SystemExit("graphs leaked")
 

@@ -20,9 +20,6 @@ import (
 	"github.com/gograph/gograph/internal/state"
 )
 
-// errOf keeps the error of an export's (ok, err) result.
-func errOf(_ bool, err error) error { return err }
-
 // gopyName is the Python name gopy -rename=true gives a Go function.
 func gopyName(goName string) string {
 	var b strings.Builder

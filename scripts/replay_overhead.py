@@ -10,6 +10,7 @@ and, for context, a whole graphed call (autograd node, replay, output unflatten)
 Runs on CPU (eager engine) everywhere, and on the CUDA engine when a GPU and the cuda flavor of
 the core are present. Usage: ``PYTHONPATH=python python scripts/replay_overhead.py [--json F]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,18 +100,22 @@ def main() -> int:
         # replay inside torch.cuda.graph): one C call per replayed graph.
         is_capturing = torch._C._cuda_isCurrentStreamCapturing
         results["cuda/capture_status_check_ns"] = _best_ns(is_capturing, opts.number)
-        print(f"cuda  capture-status check (torch._C._cuda_isCurrentStreamCapturing): "
-              f"{results['cuda/capture_status_check_ns']:.0f} ns per replay")
+        print(
+            f"cuda  capture-status check (torch._C._cuda_isCurrentStreamCapturing): "
+            f"{results['cuda/capture_status_check_ns']:.0f} ns per replay"
+        )
     for device in devices:
         for n in (1, 2, 4):
             r = measure(device, n, opts.number)
             results[f"{device}/{n}args"] = r
-            print(f"{device:5s} {n} arg(s): checks add {r['added_per_call_ns']:6.0f} ns/call "
-                  f"({r['added_per_arg_ns']:4.0f} ns/arg: loop {r['checked_view_args_ns']:5.0f} vs "
-                  f"{r['baseline_view_args_ns']:5.0f} ns before); static args {r['checked_static_args_ns']:5.0f} "
-                  f"vs {r['baseline_static_args_ns']:5.0f} ns; new args (with copy) "
-                  f"{r['checked_new_args_ns']:5.0f} vs {r['baseline_new_args_ns']:5.0f} ns; whole call "
-                  f"{r['whole_call_ns'] / 1000:6.2f} us -> checks are {100 * r['added_fraction_of_call']:4.1f}%")
+            print(
+                f"{device:5s} {n} arg(s): checks add {r['added_per_call_ns']:6.0f} ns/call "
+                f"({r['added_per_arg_ns']:4.0f} ns/arg: loop {r['checked_view_args_ns']:5.0f} vs "
+                f"{r['baseline_view_args_ns']:5.0f} ns before); static args {r['checked_static_args_ns']:5.0f} "
+                f"vs {r['baseline_static_args_ns']:5.0f} ns; new args (with copy) "
+                f"{r['checked_new_args_ns']:5.0f} vs {r['baseline_new_args_ns']:5.0f} ns; whole call "
+                f"{r['whole_call_ns'] / 1000:6.2f} us -> checks are {100 * r['added_fraction_of_call']:4.1f}%"
+            )
     if opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)

@@ -5,6 +5,7 @@
 * every test checks that it leaves no pass record behind (``gograph.live_passes()`` back to its
   value before the test, after a garbage collection).
 """
+
 from __future__ import annotations
 
 import gc
@@ -14,10 +15,10 @@ import sys
 import pytest
 
 try:
-    import gograph  # noqa: F401
+    import gograph
 except ImportError:  # running from a source checkout without PYTHONPATH=python
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-    import gograph  # noqa: F401
+    import gograph
 
 import torch
 
@@ -32,7 +33,8 @@ def _cuda_skip_reason() -> str | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "cuda: needs an NVIDIA GPU and the cuda flavor of the gograph core (skipped otherwise)")
+        "markers", "cuda: needs an NVIDIA GPU and the cuda flavor of the gograph core (skipped otherwise)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,5 @@
 """Models and helpers shared by the tests."""
+
 from __future__ import annotations
 
 import copy
@@ -6,8 +7,14 @@ import copy
 import torch
 
 
-def make_mlp(seed: int = 0, d_in: int = 8, d_hidden: int = 16, d_out: int = 4, dropout: float = 0.0,
-             device: torch.device | str = "cpu") -> torch.nn.Module:
+def make_mlp(
+    seed: int = 0,
+    d_in: int = 8,
+    d_hidden: int = 16,
+    d_out: int = 4,
+    dropout: float = 0.0,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Module:
     torch.manual_seed(seed)
     layers: list[torch.nn.Module] = [torch.nn.Linear(d_in, d_hidden), torch.nn.ReLU()]
     if dropout:
@@ -34,7 +41,8 @@ def grads_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return True
 
 
-def batches(n: int, shape: tuple[int, ...], seed: int = 1, device: torch.device | str = "cpu",
-            requires_grad: bool = False) -> list[torch.Tensor]:
+def batches(
+    n: int, shape: tuple[int, ...], seed: int = 1, device: torch.device | str = "cpu", requires_grad: bool = False
+) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(shape, generator=g).to(device).requires_grad_(requires_grad) for _ in range(n)]

@@ -1,4 +1,5 @@
 """Models shared by the torch-parity tests (CPU and CUDA)."""
+
 from __future__ import annotations
 
 import weakref

@@ -1,4 +1,5 @@
-"""Models and a pipeline driver for the TransformerEngine-extension tests (tests/test_te_*.py)."""
+"""Models and a pipeline driver for the TransformerEngine-extension tests (tests/te/)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -11,7 +12,7 @@ class _DelayedMatmul(torch.autograd.Function):
     """y = x @ w.T whose backward computes only dx and leaves (x, dy) for backward_dw()."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, owner: "DelayedLinear") -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, owner: DelayedLinear) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.owner = owner
         return x @ weight.t()
@@ -32,7 +33,7 @@ class DelayedLinear(torch.nn.Module):
     def __init__(self, features: int, delay: bool = True, seed: int = 0) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.weight = torch.nn.Parameter(torch.randn(features, features, generator=g) / features ** 0.5)
+        self.weight = torch.nn.Parameter(torch.randn(features, features, generator=g) / features**0.5)
         self.bias = torch.nn.Parameter(torch.randn(features, generator=g) / features)
         self.delay = delay
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -61,7 +62,7 @@ class Block(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.lin = torch.nn.Linear(features, features)
         with torch.no_grad():
-            self.lin.weight.copy_(torch.randn(features, features, generator=g) / features ** 0.5)
+            self.lin.weight.copy_(torch.randn(features, features, generator=g) / features**0.5)
             self.lin.bias.copy_(torch.randn(features, generator=g) / features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +85,17 @@ def init_grads(*modules: torch.nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def run_pipeline(order: Sequence[float], layers: Sequence[int], microbatches: int,
-                 call: Callable[[int, torch.Tensor], torch.Tensor],
-                 inputs: dict[tuple[int, int], torch.Tensor], dys: dict[tuple[int, int], torch.Tensor],
-                 chain: bool, wgrad: Callable[[int], None] | None = None,
-                 grads: dict[tuple[int, int], torch.Tensor] | None = None) -> dict[tuple[int, int], torch.Tensor]:
+def run_pipeline(
+    order: Sequence[float],
+    layers: Sequence[int],
+    microbatches: int,
+    call: Callable[[int, torch.Tensor], torch.Tensor],
+    inputs: dict[tuple[int, int], torch.Tensor],
+    dys: dict[tuple[int, int], torch.Tensor],
+    chain: bool,
+    wgrad: Callable[[int], None] | None = None,
+    grads: dict[tuple[int, int], torch.Tensor] | None = None,
+) -> dict[tuple[int, int], torch.Tensor]:
     """Runs one iteration of a pipeline schedule (TransformerEngine's _order) on one rank.
 
     ``call(pass, x)`` runs pass ``prefix[c]*M + m*layers[c] + l`` (layer l of chunk c,

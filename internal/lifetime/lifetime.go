@@ -79,14 +79,6 @@ const (
 	ParamGrad  Role = 'p' // parameter grad the backward writes (pool)
 )
 
-func (r Role) valid() bool {
-	switch r {
-	case Input, GradOutput, Output, GradInput, ParamGrad:
-		return true
-	}
-	return false
-}
-
 // Slotted reports whether buffers of role r are assigned slots (the others
 // get release steps).
 func (r Role) Slotted() bool { return r == Input || r == GradOutput }

@@ -58,10 +58,9 @@ type poolOrder struct {
 	// not dropped; guarded by the Ledger's lock.
 	refs int
 
-	mu    sync.Mutex
-	next  int      // next capture sequence number
-	open  []flight // open passes, in the order they opened
-	order []string // pass names in capture order, for messages (bounded)
+	mu   sync.Mutex
+	next int      // next capture sequence number
+	open []flight // open passes, in the order they opened
 }
 
 // flight is an open pass: its replay chain started and has kinds to come.

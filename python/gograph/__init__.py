@@ -18,6 +18,7 @@ Public names:
 * :class:`BufferReuse`, :func:`megatron_order` -- the buffer plan of a call; Megatron-LM's pipeline ``_order``
 * :mod:`gograph.engines` -- :class:`~gograph.engines.CudaEngine`, :class:`~gograph.engines.EagerEngine`
 """
+
 from __future__ import annotations
 
 from . import _core, _native

@@ -6,6 +6,7 @@ planned the schedule, :func:`pass_specs` gives one frozen :class:`PassSpec` per 
 and :func:`check_for_engine` runs the checks that depend on the engine chosen. Nothing here
 calls an engine or the core.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["GraphOptions", "PassSpec", "Request", "check_for_engine", "label_of", "normalize", "pass_specs"]
 
-ModuleOrCallable = Union[torch.nn.Module, Callable[..., object]]
+ModuleOrCallable = Union[torch.nn.Module, Callable[..., object]]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 #: CUstreamCaptureMode by torch's name for it (``capture_error_mode``).
 CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
@@ -135,8 +136,14 @@ def label_of(func: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 # normalize
 # ---------------------------------------------------------------------------------------------
-def normalize(callables: Any, sample_args: Any, num_warmup_iters: Any, allow_unused_input: Any,
-              pool: Any, options: Mapping[str, Any]) -> Request:
+def normalize(
+    callables: Any,
+    sample_args: Any,
+    num_warmup_iters: Any,
+    allow_unused_input: Any,
+    pool: Any,
+    options: Mapping[str, Any],
+) -> Request:
     """Checks the arguments and returns their canonical form."""
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
@@ -152,16 +159,30 @@ def normalize(callables: Any, sample_args: Any, num_warmup_iters: Any, allow_unu
     for name in ("pre_warmup_hook", "post_warmup_hook"):
         hook = options.get(name)
         if hook is not None and not callable(hook):
-            raise TypeError(f"gograph: {name} must be callable (called once, without arguments), got {type(hook).__name__}")
+            raise TypeError(
+                f"gograph: {name} must be callable (called once, without arguments), got {type(hook).__name__}"
+            )
     return Request(
-        callables=callables_t, sample_args=args_t,
-        sample_kwargs=_te.canonicalize_sample_kwargs(options.get("sample_kwargs"), len(args_t), just_one,
-                                                     order is not None, len(callables_t)),
-        just_one=just_one, num_warmup_iters=num_warmup_iters, allow_unused_input=bool(allow_unused_input),
-        pool=_pool_token(pool), engine=options.get("engine"), order=tuple(order) if order is not None else None,
-        layers=options.get("_num_layers_per_chunk"), training=training,
-        hooks=_te.CaptureTimeHooks(_te.canonicalize_capture_time_hooks(len(callables_t), options.get("capture_time_hooks"))),
-        pre_warmup_hook=options.get("pre_warmup_hook"), post_warmup_hook=options.get("post_warmup_hook"), **flags)
+        callables=callables_t,
+        sample_args=args_t,
+        sample_kwargs=_te.canonicalize_sample_kwargs(
+            options.get("sample_kwargs"), len(args_t), just_one, order is not None, len(callables_t)
+        ),
+        just_one=just_one,
+        num_warmup_iters=num_warmup_iters,
+        allow_unused_input=bool(allow_unused_input),
+        pool=_pool_token(pool),
+        engine=options.get("engine"),
+        order=tuple(order) if order is not None else None,
+        layers=options.get("_num_layers_per_chunk"),
+        training=training,
+        hooks=_te.CaptureTimeHooks(
+            _te.canonicalize_capture_time_hooks(len(callables_t), options.get("capture_time_hooks"))
+        ),
+        pre_warmup_hook=options.get("pre_warmup_hook"),
+        post_warmup_hook=options.get("post_warmup_hook"),
+        **flags,
+    )
 
 
 def _sample_args(sample_args: Any, just_one: bool, ordered: bool, n: int) -> tuple[tuple[Any, ...], ...]:
@@ -171,7 +192,8 @@ def _sample_args(sample_args: Any, just_one: bool, ordered: bool, n: int) -> tup
     if not isinstance(args_t, tuple) or (not ordered and len(args_t) != n):
         raise ValueError(
             f"gograph: sample_args must hold one tuple of args per callable ({n} callables, "
-            f"got {len(args_t) if isinstance(args_t, tuple) else type(args_t).__name__})")
+            f"got {len(args_t) if isinstance(args_t, tuple) else type(args_t).__name__})"
+        )
     return tuple(a if isinstance(a, tuple) else (a,) if isinstance(a, Tensor) else tuple(a) for a in args_t)
 
 
@@ -191,15 +213,23 @@ def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: in
     if not isinstance(chain, bool):
         raise TypeError(f"gograph: chain_buffers must be a bool, got {type(chain).__name__}")
     if chain and warmup < 1:
-        raise ValueError("gograph: chain_buffers needs num_warmup_iters >= 1 (warmup learns the outputs each "
-                         "layer hands to the next)")
+        raise ValueError(
+            "gograph: chain_buffers needs num_warmup_iters >= 1 (warmup learns the outputs each "
+            "layer hands to the next)"
+        )
     mode = options.get("capture_error_mode", "global")
     if mode not in CAPTURE_MODES:
         raise ValueError(f"gograph: capture_error_mode must be one of {sorted(CAPTURE_MODES)} (torch's), got {mode!r}")
     debug = options.get("debug_replay_order")
-    return {"clone_param_grads": bool(clone), "retain_graph": retain, "reuse": reuse, "chain": chain,
-            "capture_mode": CAPTURE_MODES[mode], "debug_replay_order": None if debug is None else bool(debug),
-            "progress": bool(options.get("progress", False))}
+    return {
+        "clone_param_grads": bool(clone),
+        "retain_graph": retain,
+        "reuse": reuse,
+        "chain": chain,
+        "capture_mode": CAPTURE_MODES[mode],
+        "debug_replay_order": None if debug is None else bool(debug),
+        "progress": bool(options.get("progress", False)),
+    }
 
 
 def _pool_token(pool: Any) -> Hashable | None:
@@ -208,16 +238,20 @@ def _pool_token(pool: Any) -> Hashable | None:
     if mem_pool is not None and isinstance(pool, mem_pool):
         return tuple(pool.id)
     if pool is not None and not isinstance(pool, Hashable):
-        raise TypeError(f"gograph: pool must be a pool token from gograph.graph_pool_handle() or "
-                        f"torch.cuda.graph_pool_handle(), or a torch.cuda.MemPool; got a {type(pool).__name__}")
+        raise TypeError(
+            f"gograph: pool must be a pool token from gograph.graph_pool_handle() or "
+            f"torch.cuda.graph_pool_handle(), or a torch.cuda.MemPool; got a {type(pool).__name__}"
+        )
     return pool
 
 
 def _validate_callables(callables: Any, num_warmup_iters: Any, ordered: bool) -> tuple[ModuleOrCallable, ...]:
     """With ``_order`` a module may appear more than once: its forward is not replaced."""
     if len(callables) == 0:
-        raise ValueError("gograph: make_graphed_callables got an empty tuple of callables; pass a module or "
-                         "function, or a non-empty tuple of them (with one tuple of sample args each)")
+        raise ValueError(
+            "gograph: make_graphed_callables got an empty tuple of callables; pass a module or "
+            "function, or a non-empty tuple of them (with one tuple of sample args each)"
+        )
     if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
         raise TypeError(f"gograph: num_warmup_iters must be an int >= 0, got {type(num_warmup_iters).__name__}")
     if num_warmup_iters < 0:
@@ -231,14 +265,16 @@ def _validate_callables(callables: Any, num_warmup_iters: Any, ordered: bool) ->
                 raise ValueError(
                     f"gograph: callable {i} is the same module as callable {seen[id(c)]} ({label_of(c)}). Each "
                     "module is graphed once (its forward is replaced); to run a layer several times per "
-                    "step, graph separate copies of it")
+                    "step, graph separate copies of it"
+                )
             seen[id(c)] = i
             modes[bool(c.training)].append(i)
     if modes[True] and modes[False]:
         raise ValueError(
             "gograph: make_graphed_callables needs the modules all in training mode or all in eval mode "
             f"(modules {modes[True]} are training, {modes[False]} are in eval); call .train() or .eval() "
-            "on all of them, or graph the two groups in separate calls")
+            "on all of them, or graph the two groups in separate calls"
+        )
     return tuple(callables)
 
 
@@ -248,29 +284,35 @@ def _check_callable(i: int, c: Any) -> None:
     if isinstance(c, (list, tuple)):
         raise TypeError(
             f"gograph: callable {i} is a {type(c).__name__}; callables must be a module or function, or a "
-            "flat tuple of them (convert a list with tuple(...), and pass sample_args as a tuple of tuples)")
+            "flat tuple of them (convert a list with tuple(...), and pass sample_args as a tuple of tuples)"
+        )
     if isinstance(c, GraphedCallable):
         raise TypeError(
             f"gograph: callable {i} ({c.label}) is already a graphed callable; pass the original module "
-            "or function (a graph cannot be captured inside another graph)")
+            "or function (a graph cannot be captured inside another graph)"
+        )
     if not callable(c):
-        raise TypeError(f"gograph: callable {i} (of type {type(c).__name__}) is not callable; pass "
-                        "torch.nn.Modules or functions")
+        raise TypeError(
+            f"gograph: callable {i} (of type {type(c).__name__}) is not callable; pass torch.nn.Modules or functions"
+        )
     if isinstance(c, torch.nn.Module):
         fwd = c.__dict__.get("forward")
         if isinstance(fwd, GraphedCallable) and not fwd.is_reset:
             raise ValueError(
                 f"gograph: module {i} ({label_of(c)}) is already graphed (its forward is a live "
-                "GraphedCallable). Call its reset() first to release those graphs, then graph it again")
+                "GraphedCallable). Call its reset() first to release those graphs, then graph it again"
+            )
         if c._backward_hooks or c._forward_hooks or c._forward_pre_hooks:
             raise AssertionError(
                 "Modules must not have hooks registered at the time they are passed. However, registering hooks "
-                + "on modules after passing them through make_graphed_callables is allowed.")
+                + "on modules after passing them through make_graphed_callables is allowed."
+            )
         if not all(b.requires_grad is False for b in c.buffers()):
             raise AssertionError(
                 "In any :class:`~torch.nn.Module` passed to "
                 + ":func:`~make_graphed_callables`, only parameters may be trainable. All buffers must have "
-                + "``requires_grad=False``.")
+                + "``requires_grad=False``."
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,8 +321,10 @@ def _check_callable(i: int, c: Any) -> None:
 def pass_specs(req: Request, schedule: Schedule) -> tuple[PassSpec, ...]:
     """One spec per forward pass: per callable, or with ``_order`` per forward (TransformerEngine's
     indexing: the schedule's pass -> callable map)."""
-    return tuple(_pass_spec(req, schedule, i, args, kwargs)
-                 for i, (args, kwargs) in enumerate(zip(req.sample_args, req.sample_kwargs)))
+    return tuple(
+        _pass_spec(req, schedule, i, args, kwargs)
+        for i, (args, kwargs) in enumerate(zip(req.sample_args, req.sample_kwargs))
+    )
 
 
 def _pass_spec(req: Request, schedule: Schedule, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PassSpec:
@@ -292,15 +336,29 @@ def _pass_spec(req: Request, schedule: Schedule, i: int, args: tuple[Any, ...], 
     flat = tuple(pos_leaves) + tuple(kw_leaves)
     _check_leaves(i, c, flat, len(pos_leaves), req.ordered)
     label = schedule.pass_label(i, label_of(c))
-    grad_enabled = req.training if req.ordered else torch.is_grad_enabled() and (
-        not isinstance(c, torch.nn.Module) or c.training)
+    grad_enabled = (
+        req.training if req.ordered else torch.is_grad_enabled() and (not isinstance(c, torch.nn.Module) or c.training)
+    )
     fn, is_method = _forward_of(c)
     return PassSpec(
-        index=i, callable_index=ci, label=label, func=c, sample_args=args, sample_kwargs=kwargs, kwargs_keys=keys,
-        flat_args=flat, n_pos=len(pos_leaves), args_spec=args_spec, kwargs_spec=kwargs_spec if keys else None,
+        index=i,
+        callable_index=ci,
+        label=label,
+        func=c,
+        sample_args=args,
+        sample_kwargs=kwargs,
+        kwargs_keys=keys,
+        flat_args=flat,
+        n_pos=len(pos_leaves),
+        args_spec=args_spec,
+        kwargs_spec=kwargs_spec if keys else None,
         params=tuple(c.parameters()) if isinstance(c, torch.nn.Module) else (),
-        training=c.training if isinstance(c, torch.nn.Module) else None, grad_enabled=grad_enabled,
-        forward_fn=fn, forward_is_method=is_method, te_grads=req.ordered)
+        training=c.training if isinstance(c, torch.nn.Module) else None,
+        grad_enabled=grad_enabled,
+        forward_fn=fn,
+        forward_is_method=is_method,
+        te_grads=req.ordered,
+    )
 
 
 def _check_leaves(i: int, c: Any, flat: tuple[Any, ...], n_pos: int, ordered: bool) -> None:
@@ -312,7 +370,8 @@ def _check_leaves(i: int, c: Any, flat: tuple[Any, ...], n_pos: int, ordered: bo
                 + "for each callable must contain only Tensors. Other types are not allowed."
                 + f" (gograph: leaf {j} of the {what} of {'pass' if ordered else 'callable'} {i} ({label_of(c)}) "
                 + f"is a {type(leaf).__name__}; pass tensors only, and bind other values into the callable, "
-                + "e.g. with functools.partial)")
+                + "e.g. with functools.partial)"
+            )
 
 
 def _forward_of(c: Any) -> tuple[Callable[..., Any], bool]:
@@ -326,7 +385,7 @@ def _forward_of(c: Any) -> tuple[Callable[..., Any], bool]:
     if isinstance(fwd, GraphedCallable) and fwd.original_forward is not None:
         return fwd.original_forward, fwd.original_forward_is_method  # graphed before and reset since
     is_method = inspect.ismethod(fwd) and fwd.__self__ is c
-    return (fwd.__func__ if is_method else fwd), is_method
+    return (getattr(fwd, "__func__", fwd) if is_method else fwd), is_method
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,17 +398,23 @@ def check_for_engine(req: Request, specs: Sequence[PassSpec], engine: Engine) ->
     if isinstance(engine, CudaEngine):
         _check_devices(specs, engine.device)
         pool = req.pool
-        if pool is not None and not (isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)):
+        if pool is not None and not (
+            isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)
+        ):
             raise TypeError(
                 f"gograph: pool must be a memory-pool token from gograph.graph_pool_handle() or "
-                f"torch.cuda.graph_pool_handle() (a pair of ints), or a torch.cuda.MemPool, for the CUDA engine; got {pool!r}")
+                f"torch.cuda.graph_pool_handle() (a pair of ints), or a torch.cuda.MemPool, for the CUDA engine; "
+                f"got {pool!r}"
+            )
     elif isinstance(engine, EagerEngine):
         engine.check_pool(req.pool)
     cache = torch.is_autocast_enabled() and torch.is_autocast_cache_enabled()
     if isinstance(engine, EagerEngine):
         cache = cache or (torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled())
     if cache:
-        raise RuntimeError("make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`.")
+        raise RuntimeError(
+            "make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`."
+        )
 
 
 def _check_devices(specs: Sequence[PassSpec], device: torch.device) -> None:
@@ -359,11 +424,17 @@ def _check_devices(specs: Sequence[PassSpec], device: torch.device) -> None:
                 raise ValueError(
                     f"gograph: sample arg leaf {j} of callable {spec.index} ({spec.label}) is on {t.device}, "
                     f"but the CUDA engine captures on {device}; move it there (e.g. .to('{device}')): "
-                    "graphs read their inputs from that device's memory")
+                    "graphs read their inputs from that device's memory"
+                )
         for k, p in enumerate(spec.params):
             if p.device != device:
-                names = {id(q): n for n, q in spec.func.named_parameters()} if isinstance(spec.func, torch.nn.Module) else {}
+                names = (
+                    {id(q): n for n, q in spec.func.named_parameters()}
+                    if isinstance(spec.func, torch.nn.Module)
+                    else {}
+                )
                 raise ValueError(
                     f"gograph: parameter {names.get(id(p), k)!r} of callable {spec.index} ({spec.label}) "
                     f"is on {p.device}, but the CUDA engine captures on {device}; move the module there "
-                    f"first (module.to('{device}'))")
+                    f"first (module.to('{device}'))"
+                )

@@ -2,6 +2,7 @@
 kind of one pass. Explicit objects, not closures: engines and finalizers can reach them, so they
 never hold their pass's owner (a module is held through a weakref and its forward unbound).
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,13 @@ def flat_tuple_spec(n: int) -> pytree.TreeSpec:
     return pytree.tree_flatten((0,) * n)[1]
 
 
-def autograd_grad(outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], grad_outputs: tuple[Tensor, ...],
-                  allow_unused: bool, retain_graph: bool = False) -> tuple[Tensor | None, ...]:
+def autograd_grad(
+    outputs: tuple[Tensor, ...],
+    inputs: tuple[Tensor, ...],
+    grad_outputs: tuple[Tensor, ...],
+    allow_unused: bool,
+    retain_graph: bool = False,
+) -> tuple[Tensor | None, ...]:
     """``torch.autograd.grad(outputs, inputs, grad_outputs, only_inputs=True, allow_unused=...,
     retain_graph=...)`` for the warmup and capture backwards, whose ``grad_outputs`` are buffers
     made like the outputs.
@@ -38,18 +44,30 @@ def autograd_grad(outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], grad_
     engine is called directly. Anything else goes through torch.autograd.grad. The engine raises
     the same errors (an unused input without ``allow_unused``, an output without grad)."""
     run = _torch.run_backward
-    if (run is not None and len(outputs) == len(grad_outputs)
-            and not _torch.has_torch_function(outputs + inputs + grad_outputs) and _torch.autograd_log_quiet()):
+    if (
+        run is not None
+        and len(outputs) == len(grad_outputs)
+        and not _torch.has_torch_function(outputs + inputs + grad_outputs)
+        and _torch.autograd_log_quiet()
+    ):
         return tuple(run(outputs, grad_outputs, retain_graph, False, inputs, allow_unused, accumulate_grad=False))
-    return tuple(torch.autograd.grad(outputs=outputs, inputs=inputs, grad_outputs=grad_outputs, only_inputs=True,
-                                     allow_unused=allow_unused, retain_graph=retain_graph or None))
+    return tuple(
+        torch.autograd.grad(
+            outputs=outputs,
+            inputs=inputs,
+            grad_outputs=grad_outputs,
+            only_inputs=True,
+            allow_unused=allow_unused,
+            retain_graph=retain_graph or None,
+        )
+    )
 
 
 class ForwardBody:
     """Runs one callable's forward on its sample args and returns the flat tuple of output
     tensors; the output treespec of the latest call is kept in :attr:`out_spec`."""
 
-    __slots__ = ("_fn", "_module_ref", "out_spec", "label")
+    __slots__ = ("_fn", "_module_ref", "label", "out_spec")
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None, label: str) -> None:
         self._fn = fn
@@ -74,18 +92,21 @@ class ForwardBody:
         if out is None:
             raise TypeError(
                 f"gograph: a graphed callable must return at least one Tensor; {self.label} returned None. "
-                "Return the tensors it computes (work that only updates state in place belongs in torch.cuda.graph)")
+                "Return the tensors it computes (work that only updates state in place belongs in torch.cuda.graph)"
+            )
         leaves, spec = pytree.tree_flatten(out)
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, Tensor):
                 raise TypeError(
                     f"gograph: the outputs of a graphed callable must be Tensors (in any pytree structure); "
-                    f"output leaf {i} of {self.label} is a {type(leaf).__name__}")
+                    f"output leaf {i} of {self.label} is a {type(leaf).__name__}"
+                )
         if not leaves:
             raise TypeError(
                 f"gograph: a graphed callable must return at least one Tensor; {self.label} returned an empty "
                 f"{type(out).__name__}. Return the tensors it computes (work that only updates state in place "
-                "belongs in torch.cuda.graph)")
+                "belongs in torch.cuda.graph)"
+            )
         self.out_spec = spec
         return tuple(leaves)
 
@@ -95,10 +116,16 @@ class BackwardBody:
     grad, with the static grad-output buffers as incoming gradients. Called with the forward
     outputs it differentiates (the capture's, or on the eager engine the latest forward replay's)."""
 
-    __slots__ = ("inputs", "grad_outputs", "output_mask", "allow_unused", "retain_graph")
+    __slots__ = ("allow_unused", "grad_outputs", "inputs", "output_mask", "retain_graph")
 
-    def __init__(self, inputs: tuple[Tensor, ...], grad_outputs: tuple[Tensor, ...], output_mask: tuple[bool, ...],
-                 allow_unused: bool, retain_graph: bool = False) -> None:
+    def __init__(
+        self,
+        inputs: tuple[Tensor, ...],
+        grad_outputs: tuple[Tensor, ...],
+        output_mask: tuple[bool, ...],
+        allow_unused: bool,
+        retain_graph: bool = False,
+    ) -> None:
         self.inputs = inputs
         self.grad_outputs = grad_outputs
         self.output_mask = output_mask

@@ -13,6 +13,7 @@ A failure anywhere rolls back in one place (:meth:`Build.rollback`): every pass 
 dropped (its graphs destroyed, its pool references released, as the core counts them), the
 generator state restored, and the error raised again naming the callable and the phase.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,12 +51,16 @@ class Build:
     def run(self) -> list[GraphedCallable]:
         rng = self.engine.get_rng_state()
         debug = _observe.debug_env() if self.req.debug_replay_order is None else self.req.debug_replay_order
-        self.stats = _observe.BuildStats.begin(self.engine, expected_captures=self._expected_captures(),
-                                               progress=self.req.progress, debug_replay_order=debug)
+        self.stats = _observe.BuildStats.begin(
+            self.engine,
+            expected_captures=self._expected_captures(),
+            progress=self.req.progress,
+            debug_replay_order=debug,
+        )
         try:
             self._create_passes()
             self._warmup()
-            program, slots = self._plan()
+            program, slots = self._plan_captures()
             run_captures(self, program, slots)
             self._seal(debug)
         except BaseException as e:
@@ -103,13 +108,18 @@ class Build:
             st.warm_outputs = st.warm_grads = None
         self.stats.warmup_finished()
 
-    def _plan(self) -> tuple[_plan.CaptureProgram, dict[int, Any]]:
+    def _plan_captures(self) -> tuple[_plan.CaptureProgram, dict[int, Any]]:
         """What warmup learned goes to the core; the capture program comes back."""
         self.phase, self.current = "buffer planning", None
         req, sigs = self.req, _reuse.Signatures()
         release = isinstance(self.engine, CudaEngine)
-        program = _plan.capture_program(self.schedule, _reuse.facts_text(self.states, sigs, req.clone_param_grads),
-                                        reuse=req.reuse, chain=req.chain, release=release)
+        program = _plan.capture_program(
+            self.schedule,
+            _reuse.facts_text(self.states, sigs, req.clone_param_grads),
+            reuse=req.reuse,
+            chain=req.chain,
+            release=release,
+        )
         if req.reuse or req.chain:
             self.reuse = _reuse.BufferReuse.of(program, sigs)
             if not release:
@@ -149,9 +159,11 @@ class Build:
         spec = cur if isinstance(cur, PassSpec) else cur.spec
         msg = f"gograph.make_graphed_callables: callable {spec.index} ({spec.label}) failed during {self.phase}: {e}"
         if isinstance(self.engine, CudaEngine) and self.phase.endswith("capture"):
-            msg += (" [during CUDA graph capture, work that synchronizes with the host -- stream or device "
-                    "synchronize(), .item(), .cpu(), printing tensors -- or allocates outside the capture "
-                    "stream is not allowed]")
+            msg += (
+                " [during CUDA graph capture, work that synchronizes with the host -- stream or device "
+                "synchronize(), .item(), .cpu(), printing tensors -- or allocates outside the capture "
+                "stream is not allowed]"
+            )
         try:
             new = type(e)(msg)
         except Exception:
@@ -166,15 +178,27 @@ class Build:
         return None
 
     def _assemble(self, program: _plan.CaptureProgram, debug: bool) -> list[GraphedCallable]:
-        shared = Shared(engine=self.engine, pool=self.pool, build_stats=self.stats, check_replay_order=debug,
-                        retain_graph_in_backward=self.req.retain_graph, buffer_reuse=self.reuse,
-                        lent=lent_grads(self.engine.pool_key(self.pool)))
+        shared = Shared(
+            engine=self.engine,
+            pool=self.pool,
+            build_stats=self.stats,
+            check_replay_order=debug,
+            retain_graph_in_backward=self.req.retain_graph,
+            buffer_reuse=self.reuse,
+            lent=lent_grads(self.engine.pool_key(self.pool)),
+        )
         out = []
         for st in self.states:
             out.append(GraphedCallable(st.spec, _result(st, program), st.pass_id, shared))
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
-                          st.index, st.spec.label, st.pass_id, self.engine.name, st.has_backward)
+                log.debug(
+                    "gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
+                    st.index,
+                    st.spec.label,
+                    st.pass_id,
+                    self.engine.name,
+                    st.has_backward,
+                )
         return out
 
 
@@ -182,8 +206,11 @@ def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
     n = len(st.flat_args)
     policy: dict[int, str] = {}
     if st.has_backward:
-        entries = [(n + k) for k, p in enumerate(st.params)
-                   if p.requires_grad and not getattr(p, "skip_backward_post_hook", False)]
+        entries = [
+            (n + k)
+            for k, p in enumerate(st.params)
+            if p.requires_grad and not getattr(p, "skip_backward_post_hook", False)
+        ]
         for e, idx in enumerate(entries):
             pol = program.grad_policy.get((st.index, e))
             if pol is not None:
@@ -191,8 +218,17 @@ def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
     grad_outputs = st.static_grad_outputs or (None,) * len(st.static_outputs)
     grad_inputs = st.static_grad_inputs or (None,) * len(st.surface)
     assert st.output_spec is not None
-    return PassResult(static_inputs=st.flat_args, params=st.params, static_outputs=st.static_outputs,
-                      output_requires_grad=st.output_requires_grad, output_spec=st.output_spec,
-                      static_grad_outputs=grad_outputs, static_grad_inputs=grad_inputs, has_backward=st.has_backward,
-                      wgrad=st.wgrad_body, chained_inputs=frozenset(st.chained_inputs), grad_policy=policy,
-                      seq=(st.seq[0], st.seq[1]))
+    return PassResult(
+        static_inputs=st.flat_args,
+        params=st.params,
+        static_outputs=st.static_outputs,
+        output_requires_grad=st.output_requires_grad,
+        output_spec=st.output_spec,
+        static_grad_outputs=grad_outputs,
+        static_grad_inputs=grad_inputs,
+        has_backward=st.has_backward,
+        wgrad=st.wgrad_body,
+        chained_inputs=frozenset(st.chained_inputs),
+        grad_policy=policy,
+        seq=(st.seq[0], st.seq[1]),
+    )

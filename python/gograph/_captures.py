@@ -6,6 +6,7 @@ forward's capture-time outputs once its backward is captured, hand a dead pool b
 pool. Static buffers come from where the program says: the pass's own, a shared slot, or the
 chained neighbour's buffer (resolved here, when it exists).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,9 @@ def apply_slots(states: Sequence[PassState], program: _plan.CaptureProgram) -> d
             continue
         t, b = states[p].flat_args[j], backing[src.slot]
         if b is not t:
-            per_pass.setdefault(p, {})[j] = b if b.requires_grad == t.requires_grad else b.detach().requires_grad_(t.requires_grad)
+            per_pass.setdefault(p, {})[j] = (
+                b if b.requires_grad == t.requires_grad else b.detach().requires_grad_(t.requires_grad)
+            )
     for p, repl in per_pass.items():
         states[p].replace_args(repl)
     return backing
@@ -80,10 +83,19 @@ def capture_forward(build: Any, st: PassState, program: _plan.CaptureProgram) ->
     spec, func = st.spec, build.req.callables[st.spec.callable_index]
     build.req.hooks.run("forward_pre_hooks", spec.callable_index, func)
     discover = build.req.num_warmup_iters == 0 and not build.req.ordered  # no warmup found the wgrad modules
-    with torch.set_grad_enabled(spec.grad_enabled), (
-            _te.discover_wgrad_modules(func, st.wgrad_modules) if discover else contextlib.nullcontext()):
-        outputs, st.seq[0] = build.engine.capture(st.pass_id, FORWARD, st.capture_body, *st.body_args,
-                                                  pool=build.pool, uses_rng=st.rng[0], mode=build.req.capture_mode)
+    with (
+        torch.set_grad_enabled(spec.grad_enabled),
+        _te.discover_wgrad_modules(func, st.wgrad_modules) if discover else contextlib.nullcontext(),
+    ):
+        outputs, st.seq[0] = build.engine.capture(
+            st.pass_id,
+            FORWARD,
+            st.capture_body,
+            *st.body_args,
+            pool=build.pool,
+            uses_rng=st.rng[0],
+            mode=build.req.capture_mode,
+        )
     check_outputs(st, outputs, build.device)
     st.output_spec = st.body.out_spec
     build.req.hooks.run("forward_hooks", spec.callable_index, func)
@@ -93,8 +105,9 @@ def capture_forward(build: Any, st: PassState, program: _plan.CaptureProgram) ->
     st.capture_outputs = tuple(outputs) if any(st.output_requires_grad) else None
 
 
-def _grad_output_buffer(build: Any, st: PassState, k: int, o: Tensor, program: _plan.CaptureProgram,
-                        slots: dict[int, Tensor]) -> Tensor:
+def _grad_output_buffer(
+    build: Any, st: PassState, k: int, o: Tensor, program: _plan.CaptureProgram, slots: dict[int, Tensor]
+) -> Tensor:
     """Where output ``k``'s incoming grad is copied before a backward replay: the consumer's input
     grad (chained), a shared slot, or a new buffer -- uninitialised on the CUDA engine, as in torch
     and TransformerEngine (every replay copies the incoming grad in first, and a capture computes
@@ -103,7 +116,7 @@ def _grad_output_buffer(build: Any, st: PassState, k: int, o: Tensor, program: _
     if src is not None and src.kind == _plan.CHAINED:
         buf = build.states[src.pass_index].static_grad_inputs[src.index]
         if buf is not None and _reuse.tensor_signature(buf) == _reuse.tensor_signature(o):
-            return buf  # type: ignore[no-any-return]
+            return buf
     if src is not None and src.kind == _plan.SLOT:
         slot = slots[src.slot]
         if _reuse.tensor_signature(slot) == _reuse.tensor_signature(o):
@@ -114,24 +127,31 @@ def _grad_output_buffer(build: Any, st: PassState, k: int, o: Tensor, program: _
 def capture_backward(build: Any, st: PassState, program: _plan.CaptureProgram, slots: dict[int, Tensor]) -> None:
     outputs = st.capture_outputs if st.capture_outputs is not None else st.static_outputs
     mask = tuple(bool(o.requires_grad) for o in outputs)
-    st.static_grad_outputs = tuple(_grad_output_buffer(build, st, k, o, program, slots) if rg else None
-                                   for k, (o, rg) in enumerate(zip(outputs, mask)))
+    st.static_grad_outputs = tuple(
+        _grad_output_buffer(build, st, k, o, program, slots) if rg else None
+        for k, (o, rg) in enumerate(zip(outputs, mask))
+    )
     grad_inputs: tuple[Tensor | None, ...] | None = None
     func = build.req.callables[st.spec.callable_index]
     if any(mask):
         build.req.hooks.run("backward_pre_hooks", st.spec.callable_index, func)
-        body = BackwardBody(st.grad_surface, tuple(g for g in st.static_grad_outputs if g is not None), mask,
-                            build.req.allow_unused_input or st.te_grads, build.req.retain_graph)
+        body = BackwardBody(
+            st.grad_surface,
+            tuple(g for g in st.static_grad_outputs if g is not None),
+            mask,
+            build.req.allow_unused_input or st.te_grads,
+            build.req.retain_graph,
+        )
         with torch.set_grad_enabled(st.spec.grad_enabled):
-            grad_inputs, st.seq[1] = build.engine.capture(st.pass_id, BACKWARD, body, outputs, pool=build.pool,
-                                                          uses_rng=st.rng[1], mode=build.req.capture_mode)
+            grad_inputs, st.seq[1] = build.engine.capture(
+                st.pass_id, BACKWARD, body, outputs, pool=build.pool, uses_rng=st.rng[1], mode=build.req.capture_mode
+            )
         st.has_backward = True
         build.req.hooks.run("backward_hooks", st.spec.callable_index, func)
     # The grads of the inputs that require grad, padded with None for the others (the layout
     # autograd.Function.backward returns).
     it = iter(grad_inputs or ())
-    st.static_grad_inputs = tuple(next(it) if t.requires_grad and grad_inputs is not None else None
-                                  for t in st.surface)
+    st.static_grad_inputs = tuple(next(it) if t.requires_grad and grad_inputs is not None else None for t in st.surface)
 
 
 def capture_wgrad(build: Any, st: PassState) -> None:

@@ -5,6 +5,7 @@ loaded (``_core_cuda`` or ``_core_cpu``), re-exported here so that every call si
 ``raw_replay`` is the extension's C entry point of ``replay`` (gopy's generated Python wrapper
 adds a Python-level call per replay), used on the replay hot path.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,15 +17,50 @@ from . import _native
 EXPECTED_VERSION = "0.2.0"
 
 NAMES = (
-    "core_version", "flavor", "cuda_header_version", "driver_version", "device_count", "device_name",
-    "device_total_memory", "trigger_panic_for_test",
-    "begin_capture", "end_capture", "abort_capture", "capture_status", "exchange_capture_mode",
-    "upload_graph", "launch_graph", "destroy_graph", "graph_node_count", "live_graphs",
-    "new_pass", "begin_pass_capture", "end_pass_capture", "abort_pass_capture", "seal_pass", "replay",
-    "pass_state", "pass_graph", "reset_pass", "pass_reset_error", "drop_pass", "pool_refs", "live_passes",
-    "plan_schedule", "plan_steps", "plan_warmup", "plan_capture", "free_plan", "live_plans",
-    "capture_seq", "pass_pool", "set_replay_order_check", "check_replay_order", "replay_order_check",
-    "discard_replay_order", "replay_order_state",
+    "core_version",
+    "flavor",
+    "cuda_header_version",
+    "driver_version",
+    "device_count",
+    "device_name",
+    "device_total_memory",
+    "trigger_panic_for_test",
+    "begin_capture",
+    "end_capture",
+    "abort_capture",
+    "capture_status",
+    "exchange_capture_mode",
+    "upload_graph",
+    "launch_graph",
+    "destroy_graph",
+    "graph_node_count",
+    "live_graphs",
+    "new_pass",
+    "begin_pass_capture",
+    "end_pass_capture",
+    "abort_pass_capture",
+    "seal_pass",
+    "replay",
+    "pass_state",
+    "pass_graph",
+    "reset_pass",
+    "pass_reset_error",
+    "drop_pass",
+    "pool_refs",
+    "live_passes",
+    "plan_schedule",
+    "plan_steps",
+    "plan_warmup",
+    "plan_capture",
+    "free_plan",
+    "live_plans",
+    "capture_seq",
+    "pass_pool",
+    "set_replay_order_check",
+    "check_replay_order",
+    "replay_order_check",
+    "discard_replay_order",
+    "replay_order_state",
 )
 
 
@@ -35,7 +71,8 @@ def _bind(module: Any) -> None:
         raise ImportError(
             f"gograph: the loaded Go core ({getattr(module, '__file__', module)}) is version {version}, but "
             f"this Python package needs {EXPECTED_VERSION} (missing: {', '.join(missing) or 'none'}); the "
-            "extension is stale: rebuild it (`make build`, or `pip install .` again)")
+            "extension is stale: rebuild it (`make build`, or `pip install .` again)"
+        )
     for name in NAMES:
         globals()[name] = getattr(module, name)
     ext = getattr(module, "_gographcore", None)

@@ -22,6 +22,7 @@ Both flavors are never loaded in one process. The outcome is exposed as :data:`c
 :data:`flavor`, :func:`cuda_available` and :func:`cuda_unavailable_reason`, and logged on the
 ``"gograph"`` logger.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,7 +31,7 @@ import logging
 import os
 from types import ModuleType
 
-__all__ = ["core", "flavor", "cuda_available", "cuda_unavailable_reason", "probe_driver"]
+__all__ = ["core", "cuda_available", "cuda_unavailable_reason", "flavor", "probe_driver"]
 
 log = logging.getLogger("gograph")
 
@@ -94,8 +95,10 @@ def _load_libcuda() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"libcuda.so.1 could not be loaded ({direct_error}) and torch.cuda.init() failed ({e})"
     path = _libcuda_path_from_maps()
     if path is None:
-        return None, (f"libcuda.so.1 could not be loaded ({direct_error}) and torch's CUDA "
-                      "initialisation did not map a libcuda into this process")
+        return None, (
+            f"libcuda.so.1 could not be loaded ({direct_error}) and torch's CUDA "
+            "initialisation did not map a libcuda into this process"
+        )
     try:
         return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL), None
     except OSError as e:
@@ -173,8 +176,8 @@ def _import_cpu(cuda_reason: str) -> ModuleType:
 def _load() -> tuple[ModuleType, str, str | None]:
     """Returns (module, flavor, reason CUDA is unavailable or None)."""
     if _env_disabled():
-        reason = f"the CUDA core is disabled by {_DISABLE_ENV}={os.environ.get(_DISABLE_ENV)}"
-        return _import_cpu(reason), "cpu", reason
+        disabled = f"the CUDA core is disabled by {_DISABLE_ENV}={os.environ.get(_DISABLE_ENV)}"
+        return _import_cpu(disabled), "cpu", disabled
     reason = probe_driver()
     if reason is None:
         try:

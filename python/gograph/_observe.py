@@ -13,6 +13,7 @@ at two points only --
 
 Nothing here runs on the replay path.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,8 +26,6 @@ import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engines import Engine
@@ -127,8 +126,9 @@ class BuildStats:
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
-    def begin(cls, engine: Engine, expected_captures: int = 0, progress: bool = False,
-              debug_replay_order: bool = False) -> BuildStats:
+    def begin(
+        cls, engine: Engine, expected_captures: int = 0, progress: bool = False, debug_replay_order: bool = False
+    ) -> BuildStats:
         """Opens the build on this thread (captures on this thread are attributed to it)."""
         stats = cls(engine=engine.name, debug_replay_order=debug_replay_order)
         stats._t0 = time.perf_counter()
@@ -144,13 +144,19 @@ class BuildStats:
             _current.stack.remove(self)
             self.seconds = time.perf_counter() - self._t0
             if not failed:
-                log.info("gograph: built %d graph(s) on the %s engine in %.1f ms (warmup %.1f ms, "
-                         "captures %.1f ms)%s", len(self.captures), self.engine, self.seconds * 1e3,
-                         self.warmup_seconds * 1e3, sum(c.seconds for c in self.captures) * 1e3,
-                         "" if self.warmup is None else
-                         f"; warmup peak {fmt_bytes(self.warmup.delta_bytes)} above "
-                         f"{fmt_bytes(self.warmup.baseline_bytes)}"
-                         f"{'' if self.warmup.exact else ' (upper bound)'}")
+                log.info(
+                    "gograph: built %d graph(s) on the %s engine in %.1f ms (warmup %.1f ms, captures %.1f ms)%s",
+                    len(self.captures),
+                    self.engine,
+                    self.seconds * 1e3,
+                    self.warmup_seconds * 1e3,
+                    sum(c.seconds for c in self.captures) * 1e3,
+                    ""
+                    if self.warmup is None
+                    else f"; warmup peak {fmt_bytes(self.warmup.delta_bytes)} above "
+                    f"{fmt_bytes(self.warmup.baseline_bytes)}"
+                    f"{'' if self.warmup.exact else ' (upper bound)'}",
+                )
         bar, self._progress = self._progress, None
         if bar is not None:
             try:
@@ -177,8 +183,9 @@ class BuildStats:
         if self.warmup is None or eng is None:
             return
         peak = int(eng.max_memory_allocated() or 0)
-        self.warmup = WarmupPeak(baseline_bytes=self.warmup.baseline_bytes, peak_bytes=peak,
-                                 exact=peak > self._warmup_prior_peak)
+        self.warmup = WarmupPeak(
+            baseline_bytes=self.warmup.baseline_bytes, peak_bytes=peak, exact=peak > self._warmup_prior_peak
+        )
 
     # -- captures ----------------------------------------------------------------------------
     def label_of(self, pass_id: int) -> str:
@@ -230,9 +237,12 @@ def _open_progress(total: int) -> Any:
     except ImportError:
         if not _said_no_tqdm:
             _said_no_tqdm.append(True)
-            warnings.warn("gograph: progress=True shows a bar only with tqdm installed (pip install tqdm); "
-                          "without it each capture is logged at INFO on the 'gograph' logger "
-                          "(logging.basicConfig(level=logging.INFO) shows them)", stacklevel=4)
+            warnings.warn(
+                "gograph: progress=True shows a bar only with tqdm installed (pip install tqdm); "
+                "without it each capture is logged at INFO on the 'gograph' logger "
+                "(logging.basicConfig(level=logging.INFO) shows them)",
+                stacklevel=4,
+            )
         return None
     return tqdm(total=total or None, desc="gograph", unit="graph", leave=False)
 
@@ -243,7 +253,7 @@ def _open_progress(total: int) -> Any:
 class CaptureProbe:
     """Started before one capture and finished after it succeeded (see module docstring)."""
 
-    __slots__ = ("engine", "pass_id", "kind", "pool", "label", "t0", "mem0", "build")
+    __slots__ = ("build", "engine", "kind", "label", "mem0", "pass_id", "pool", "t0")
 
     def __init__(self, engine: Engine, pass_id: int, kind: int, pool: Hashable, body: Any) -> None:
         self.engine = engine
@@ -254,8 +264,9 @@ class CaptureProbe:
         label = getattr(body, "label", None)
         if isinstance(label, str) and build is not None:
             build._labels[pass_id] = label
-        self.label = label if isinstance(label, str) else (
-            build.label_of(pass_id) if build is not None else f"pass {pass_id}")
+        self.label = (
+            label if isinstance(label, str) else (build.label_of(pass_id) if build is not None else f"pass {pass_id}")
+        )
         # Within a build, a capture's delta counts from the previous capture's end (one
         # allocator read per capture instead of two: each read copies torch's whole statistics
         # tree, ~11 us on the H200, and tiny layers capture in ~0.3 ms).
@@ -274,13 +285,26 @@ class CaptureProbe:
             build._allocated_after_capture = mem1
         key = self.engine.pool_key(self.pool)
         kind = KIND_NAMES.get(self.kind, str(self.kind))
-        rec = CaptureRecord(pass_id=self.pass_id, kind=kind, label=self.label, seq=seq, pool=key,
-                            seconds=seconds, memory_delta_bytes=delta)
+        rec = CaptureRecord(
+            pass_id=self.pass_id,
+            kind=kind,
+            label=self.label,
+            seq=seq,
+            pool=key,
+            seconds=seconds,
+            memory_delta_bytes=delta,
+        )
         if log.isEnabledFor(logging.INFO):
-            log.info("gograph: captured %s of %s (pass %d) in %.1f ms, memory %s (capture #%d in pool %s)",
-                     kind, self.label, self.pass_id, seconds * 1e3,
-                     "n/a (eager engine)" if delta is None else ("+" if delta >= 0 else "") + fmt_bytes(delta),
-                     seq, key)
+            log.info(
+                "gograph: captured %s of %s (pass %d) in %.1f ms, memory %s (capture #%d in pool %s)",
+                kind,
+                self.label,
+                self.pass_id,
+                seconds * 1e3,
+                "n/a (eager engine)" if delta is None else ("+" if delta >= 0 else "") + fmt_bytes(delta),
+                seq,
+                key,
+            )
         if build is not None:
             build._captured(rec)
         return rec

@@ -12,6 +12,7 @@ A build's plan lives in Go behind a handle (:class:`Schedule`), from :func:`plan
 
 Formats are docs/CORE_API.md's. Go decides; :mod:`gograph._build` executes.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,7 +73,8 @@ def encode_order(order: Any) -> str:
         if isinstance(c, bool) or not isinstance(c, numbers.Real):
             raise ScheduleTypeError(
                 f"gograph: _order entry {i} ({c!r}) is a {type(c).__name__}; entries are integers c "
-                "(forward of chunk c), -c (backward) or -(c+0.5) (weight gradient)")
+                "(forward of chunk c), -c (backward) or -(c+0.5) (weight gradient)"
+            )
         if isinstance(c, numbers.Integral):
             parts.append(str(int(c)))
             continue
@@ -92,7 +94,8 @@ def encode_layers(layers: Any) -> str:
         return f"*{int(layers)}"
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise ScheduleTypeError(
-            f"gograph: _num_layers_per_chunk must be an int or a list of ints, got {type(layers).__name__}")
+            f"gograph: _num_layers_per_chunk must be an int or a list of ints, got {type(layers).__name__}"
+        )
     out = []
     for i, n in enumerate(layers):
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
@@ -166,16 +169,25 @@ def _invalid(e: RuntimeError) -> ScheduleError | None:
     return ScheduleError("gograph: " + msg.split(marker, 1)[1]) if marker in msg else None
 
 
-def plan_schedule(order: Any, layers: Any, num_callables: int, num_samples: int, training: bool,
-                  warmup_iters: int) -> Schedule:
+def plan_schedule(
+    order: Any, layers: Any, num_callables: int, num_samples: int, training: bool, warmup_iters: int
+) -> Schedule:
     """Validates and expands the schedule in the core (``order`` None: the default one). A
     malformed ``_order`` raises :class:`ScheduleError` naming the entry and the rule."""
     order_text = "" if order is None else encode_order(order)
     if order is not None and not order_text:
         raise ScheduleError("gograph: _order is empty; it must list each chunk's forward and backward entries")
     try:
-        handle = int(_core.plan_schedule(order_text, encode_layers(layers), int(num_callables), int(num_samples),
-                                         bool(training), int(warmup_iters)))
+        handle = int(
+            _core.plan_schedule(
+                order_text,
+                encode_layers(layers),
+                int(num_callables),
+                int(num_samples),
+                bool(training),
+                int(warmup_iters),
+            )
+        )
     except RuntimeError as e:
         invalid = _invalid(e)
         if invalid is not None:
@@ -200,21 +212,29 @@ def _decode_schedule(handle: int, text: str, order: tuple[Any, ...]) -> Schedule
     for s in steps:
         if s.kind == FORWARD_STEP:
             callable_of[s.pass_index] = s.callable_index
-    return Schedule(handle=handle, ordered=head["ordered"] == "1", num_passes=n, steps=tuple(steps), order=order,
-                    chunks=int(head["chunks"]), microbatches=int(head["microbatches"]),
-                    layers=tuple(int(x) for x in head["layers"].split(",") if x),
-                    callable_of=tuple(callable_of),
-                    wgrad_passes=frozenset(s.pass_index for s in steps if s.kind == WGRAD_STEP))
+    return Schedule(
+        handle=handle,
+        ordered=head["ordered"] == "1",
+        num_passes=n,
+        steps=tuple(steps),
+        order=order,
+        chunks=int(head["chunks"]),
+        microbatches=int(head["microbatches"]),
+        layers=tuple(int(x) for x in head["layers"].split(",") if x),
+        callable_of=tuple(callable_of),
+        wgrad_passes=frozenset(s.pass_index for s in steps if s.kind == WGRAD_STEP),
+    )
 
 
 class Op(NamedTuple):
     """One op of a program: kind (see the module constants), the pass, and for a release the
-    buffer's role ("o" output, "d" user-input grad, "p" parameter grad) and index."""
+    buffer's role ("o" output, "d" user-input grad, "p" parameter grad) and its index there
+    (output index, user-input leaf, static-surface position)."""
 
     kind: str
     pass_index: int
     role: str = ""
-    index: int = -1
+    buffer: int = -1
 
 
 def _ops(lines: Sequence[list[str]]) -> tuple[Op, ...]:
@@ -292,8 +312,9 @@ def capture_program(schedule: Schedule, facts: str, reuse: bool, chain: bool, re
     return CaptureProgram(_ops(ops), inputs, gouts, policy, sigs, slots)
 
 
-def megatron_order(pipeline_size: int, rank: int, chunks: int, microbatches: int,
-                   group_size: int | None = None) -> list[int]:
+def megatron_order(
+    pipeline_size: int, rank: int, chunks: int, microbatches: int, group_size: int | None = None
+) -> list[int]:
     """Megatron-LM's interleaved 1F1B schedule for one pipeline rank as a TransformerEngine
     ``_order`` (its ``get_schedule_table`` and ``convert_schedule_table_to_order``): microbatches
     in groups of ``group_size`` (default ``pipeline_size``) per virtual chunk, warmup forwards
@@ -313,5 +334,5 @@ def megatron_order(pipeline_size: int, rank: int, chunks: int, microbatches: int
     for i in range(warm, total):
         order += [fwd[i], bwd[i - warm]]
     if warm:
-        order += bwd[total - warm:]
+        order += bwd[total - warm :]
     return order

@@ -8,6 +8,7 @@ the next layer's input grad), when each pool buffer dies, and how each parameter
 ``.grad``. This module writes the facts (:func:`facts_text`), backs slots with tensors
 (:func:`slot_tensors`), and hands dead pool buffers back (:func:`release`). Nothing here decides.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -49,7 +50,8 @@ def te_signature(t: Tensor) -> tuple[Any, ...]:
 def signature_text(sig: tuple[Any, ...]) -> str:
     shape, stride, dtype, device = sig
     return f"{list(shape)} {str(dtype).replace('torch.', '')} {device}" + (
-        "" if _contiguous_strides(shape) == tuple(stride) else f" strides {list(stride)}")
+        "" if _contiguous_strides(shape) == tuple(stride) else f" strides {list(stride)}"
+    )
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -108,8 +110,10 @@ def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads:
         lines.append(f"pass {p} {int(st.captures_backward)} {int(st.may_need_dw)} {spec.n_pos} {in_key} {grad_key}")
         for t in st.flat_args:
             unique = occurrences[id(t)] == 1 and id(t) not in params
-            lines.append(f"in {p} {sigs.id(tensor_signature(t))} {int(t.requires_grad)} {int(unique)} "
-                         f"{int(unique and slot_eligible(t))}")
+            lines.append(
+                f"in {p} {sigs.id(tensor_signature(t))} {int(t.requires_grad)} {int(unique)} "
+                f"{int(unique and slot_eligible(t))}"
+            )
         for sig, rg in st.output_meta:
             lines.append(f"out {p} {sigs.id(sig)} {int(rg)}")
         if clone_param_grads and st.captures_backward:
@@ -149,12 +153,12 @@ def release(op: _plan.Op, states: Sequence[PassState]) -> None:
     st = states[op.pass_index]
     if op.role == "o":
         outs = list(st.static_outputs)
-        outs[op.index] = _torch.nonowning_view(outs[op.index])
+        outs[op.buffer] = _torch.nonowning_view(outs[op.buffer])
         st.static_outputs = tuple(outs)
         return
     grads = list(st.static_grad_inputs)
-    if op.index < len(grads) and grads[op.index] is not None:
-        grads[op.index] = _torch.nonowning_view(grads[op.index])  # type: ignore[arg-type]
+    if op.buffer < len(grads) and grads[op.buffer] is not None:
+        grads[op.buffer] = _torch.nonowning_view(grads[op.buffer])  # type: ignore[arg-type]
         st.static_grad_inputs = tuple(grads)
 
 
@@ -185,16 +189,23 @@ class BufferReuse:
 
     @classmethod
     def of(cls, program: _plan.CaptureProgram, sigs: Signatures) -> BufferReuse:
-        signatures = {sigs.text(s): {"buffers": b, "slots": n, "te_fifo": te}
-                      for s, (b, n, te) in sorted(program.sigs.items())}
-        return cls(signatures=signatures, slots=program.slots,
-                   te_fifo=sum(d["te_fifo"] for d in signatures.values()),
-                   buffers=sum(d["buffers"] for d in signatures.values()),
-                   released=sum(1 for op in program.ops if op.kind == _plan.RELEASE),
-                   chained=sum(1 for s in (*program.inputs.values(), *program.grad_outputs.values())
-                               if s.kind == _plan.CHAINED),
-                   lent_param_grads=sum(1 for v in program.grad_policy.values() if v == _plan.GRAD_LEND))
+        signatures = {
+            sigs.text(s): {"buffers": b, "slots": n, "te_fifo": te} for s, (b, n, te) in sorted(program.sigs.items())
+        }
+        return cls(
+            signatures=signatures,
+            slots=program.slots,
+            te_fifo=sum(d["te_fifo"] for d in signatures.values()),
+            buffers=sum(d["buffers"] for d in signatures.values()),
+            released=sum(1 for op in program.ops if op.kind == _plan.RELEASE),
+            chained=sum(
+                1 for s in (*program.inputs.values(), *program.grad_outputs.values()) if s.kind == _plan.CHAINED
+            ),
+            lent_param_grads=sum(1 for v in program.grad_policy.values() if v == _plan.GRAD_LEND),
+        )
 
     def __repr__(self) -> str:
-        return (f"BufferReuse(slots={self.slots}, te_fifo={self.te_fifo}, buffers={self.buffers}, "
-                f"released={self.released}, chained={self.chained}, signatures={self.signatures})")
+        return (
+            f"BufferReuse(slots={self.slots}, te_fifo={self.te_fifo}, buffers={self.buffers}, "
+            f"released={self.released}, chained={self.chained}, signatures={self.signatures})"
+        )

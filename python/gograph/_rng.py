@@ -11,6 +11,7 @@ All companions of one engine capture into one pool, kept usable by an empty *anc
 every pool id costs ~42 KB of host memory in torch's allocators forever (bench/companion_rss.py),
 and torch refuses to capture into a pool id whose last reference was released.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,7 @@ log = logging.getLogger("gograph")
 class _OnStream:
     """``with torch.cuda.stream(stream)`` through torch's raw stream calls."""
 
-    __slots__ = ("stream", "prev")
+    __slots__ = ("prev", "stream")
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
@@ -110,7 +111,7 @@ class RngCompanions:
             companion.register_generator_state(gen)
         with _OnStream(self.stream):
             try:
-                companion.capture_begin(pool=pool, capture_error_mode="relaxed")
+                companion.capture_begin(pool=pool, capture_error_mode="relaxed")  # type: ignore[arg-type]
             except Exception:
                 self._undo(pool)
                 raise

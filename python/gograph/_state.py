@@ -4,6 +4,7 @@ A :class:`PassState` starts from its frozen :class:`gograph._args.PassSpec`, is 
 warmup and capture executors (:mod:`gograph._warmup`, :mod:`gograph._captures`) and is turned
 into a :class:`gograph.graphed.PassResult` when the build succeeds; then it is discarded.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -109,4 +110,3 @@ class PassState:
             keys = self.spec.kwargs_keys
             values = replace_leaves([self.sample_kwargs[k] for k in keys], kw)
             self.sample_kwargs = dict(zip(keys, values))
-

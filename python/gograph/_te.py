@@ -11,6 +11,7 @@
 
 The reference is TransformerEngine's graph.py and tests/pytorch/test_cuda_graphs.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,9 @@ def canonicalize_capture_time_hooks(num_callables: int, hooks: Any) -> list[dict
         return None
     if isinstance(hooks, Mapping) or not isinstance(hooks, Sequence):
         raise TypeError(
-            f"gograph: capture_time_hooks must be a list with one dict (or None) per callable, got {type(hooks).__name__}")
+            "gograph: capture_time_hooks must be a list with one dict (or None) per callable, "
+            f"got {type(hooks).__name__}"
+        )
     if len(hooks) != num_callables:
         raise ValueError(f"capture_time_hooks has {len(hooks)} entries, but there are {num_callables} callables.")
     out = []
@@ -68,8 +71,10 @@ def canonicalize_capture_time_hooks(num_callables: int, hooks: Any) -> list[dict
             value = h.get(key, {})
             value = {} if value is None else value
             if not isinstance(value, Mapping) or not all(callable(f) for f in value.values()):
-                raise TypeError(f"gograph: capture_time_hooks[{idx}][{key!r}] must be a dict of hook functions "
-                                f"({{hook_id: hook}}), got {type(value).__name__}")
+                raise TypeError(
+                    f"gograph: capture_time_hooks[{idx}][{key!r}] must be a dict of hook functions "
+                    f"({{hook_id: hook}}), got {type(value).__name__}"
+                )
             entry[key] = dict(value)
         out.append(entry)
     return out
@@ -95,8 +100,9 @@ class CaptureTimeHooks:
 # ---------------------------------------------------------------------------------------------
 # sample_kwargs
 # ---------------------------------------------------------------------------------------------
-def canonicalize_sample_kwargs(sample_kwargs: Any, num: int, just_one: bool, ordered: bool,
-                               num_callables: int) -> tuple[dict[str, Any], ...]:
+def canonicalize_sample_kwargs(
+    sample_kwargs: Any, num: int, just_one: bool, ordered: bool, num_callables: int
+) -> tuple[dict[str, Any], ...]:
     """One dict per forward pass (TransformerEngine's checks and messages)."""
     if sample_kwargs is None:
         return tuple({} for _ in range(num))
@@ -105,15 +111,18 @@ def canonicalize_sample_kwargs(sample_kwargs: Any, num: int, just_one: bool, ord
     if isinstance(sample_kwargs, Mapping) or not isinstance(sample_kwargs, (tuple, list)):
         raise TypeError(
             "gograph: sample_kwargs must be a dict for a single callable, or a tuple/list with one dict "
-            f"per {'forward pass' if ordered else 'callable'}; got {type(sample_kwargs).__name__}")
+            f"per {'forward pass' if ordered else 'callable'}; got {type(sample_kwargs).__name__}"
+        )
     if len(sample_kwargs) != num:
         if ordered:
             raise ValueError(
                 "Pipeline-parallel schedule requires sample_kwargs and sample_args to have "
-                f"the same length, but got {len(sample_kwargs)} sample_kwargs for {num} sample_args")
+                f"the same length, but got {len(sample_kwargs)} sample_kwargs for {num} sample_args"
+            )
         raise ValueError(
             "Expected sample_kwargs to have the same length as callables, "
-            f"but got {len(sample_kwargs)} sample_kwargs for {num_callables} callables")
+            f"but got {len(sample_kwargs)} sample_kwargs for {num_callables} callables"
+        )
     out = []
     for i, kw in enumerate(sample_kwargs):
         kw = {} if kw is None else kw
@@ -127,7 +136,7 @@ class CallWithKwargs:
     """A forward body called with the positional sample args followed by the values of the
     captured kwargs (in key order): engines record bodies with positional args only."""
 
-    __slots__ = ("body", "n_args", "keys")
+    __slots__ = ("body", "keys", "n_args")
 
     def __init__(self, body: Any, n_args: int, keys: tuple[str, ...]) -> None:
         self.body = body
@@ -151,18 +160,25 @@ class CallWithKwargs:
 # Quantization arguments (accepted when they ask for none)
 # ---------------------------------------------------------------------------------------------
 #: TransformerEngine's FP8/FP4 arguments of make_graphed_callables (old names, then new ones).
-QUANTIZATION_ARGS = ("fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching",
-                     "enabled", "calibrating", "recipe", "amax_reduction_group", "cache_quantized_params")
-_SWITCHES = ("fp8_enabled", "enabled", "fp8_calibrating", "calibrating", "fp8_weight_caching",
-             "cache_quantized_params")
+QUANTIZATION_ARGS = (
+    "fp8_enabled",
+    "fp8_calibrating",
+    "fp8_recipe",
+    "fp8_group",
+    "fp8_weight_caching",
+    "enabled",
+    "calibrating",
+    "recipe",
+    "amax_reduction_group",
+    "cache_quantized_params",
+)
+_SWITCHES = ("fp8_enabled", "enabled", "fp8_calibrating", "calibrating", "fp8_weight_caching", "cache_quantized_params")
 
 
 def _asks_for_quantization(name: str, value: Any) -> bool:
     if value is None or value is False:
         return False
-    if name in ("fp8_enabled", "enabled") and isinstance(value, tuple) and all(v is False for v in value):
-        return False
-    return True
+    return not (name in ("fp8_enabled", "enabled") and isinstance(value, tuple) and all(v is False for v in value))
 
 
 def check_quantization_args(args: Mapping[str, Any]) -> None:
@@ -181,7 +197,8 @@ def check_quantization_args(args: Mapping[str, Any]) -> None:
                 f"gograph: {name}={value!r} asks for FP8/FP4 quantization, which gograph does not implement "
                 "(it captures no TransformerEngine quantization state); graph with it off "
                 f"({name}={'False' if name in _SWITCHES else 'None'}), or use TransformerEngine's "
-                "make_graphed_callables for quantized layers")
+                "make_graphed_callables for quantized layers"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,8 +210,9 @@ def has_wgrad_protocol(module: Any) -> bool:
         # Instance dict, then class: what getattr finds for methods, without going through
         # nn.Module.__getattr__, whose miss (the common case) builds an AttributeError.
         inst, cls = module.__dict__, type(module)
-        return (callable(inst.get("need_backward_dw", getattr(cls, "need_backward_dw", None)))
-                and callable(inst.get("backward_dw", getattr(cls, "backward_dw", None))))
+        return callable(inst.get("need_backward_dw", getattr(cls, "need_backward_dw", None))) and callable(
+            inst.get("backward_dw", getattr(cls, "backward_dw", None))
+        )
     return callable(getattr(module, "need_backward_dw", None)) and callable(getattr(module, "backward_dw", None))
 
 
@@ -209,7 +227,9 @@ def wgrad_candidates(func: Any) -> tuple[Any, ...]:
 
 
 @contextlib.contextmanager
-def discover_wgrad_modules(func: Any, found: dict[int, Any], candidates: tuple[Any, ...] | None = None) -> Iterator[None]:
+def discover_wgrad_modules(
+    func: Any, found: dict[int, Any], candidates: tuple[Any, ...] | None = None
+) -> Iterator[None]:
     """While active, every candidate of ``func`` whose forward runs is added to ``found``
     (id -> module, first-seen order); the temporary forward hooks go even when the forward
     raises."""
@@ -250,7 +270,7 @@ class WgradBody:
     ``backward_dw`` methods are bound when the body is made (a graphed module's own
     ``backward_dw`` attribute is then replaced by the graphed callable's)."""
 
-    __slots__ = ("_refs", "_calls", "label")
+    __slots__ = ("_calls", "_refs", "label")
 
     def __init__(self, modules: Sequence[Any], label: str) -> None:
         self._refs = tuple(weakref.ref(m) for m in modules)
@@ -262,7 +282,9 @@ class WgradBody:
         for r in self._refs:
             m = r()
             if m is None:
-                raise RuntimeError(f"gograph: a submodule of {self.label} with a delayed weight gradient no longer exists")
+                raise RuntimeError(
+                    f"gograph: a submodule of {self.label} with a delayed weight gradient no longer exists"
+                )
             out.append(m)
         return out
 
@@ -271,7 +293,9 @@ class WgradBody:
             if m.need_backward_dw():
                 fn = call()
                 if fn is None:
-                    raise RuntimeError(f"gograph: a submodule of {self.label} with a delayed weight gradient no longer exists")
+                    raise RuntimeError(
+                        f"gograph: a submodule of {self.label} with a delayed weight gradient no longer exists"
+                    )
                 fn()
         return ()
 
@@ -279,8 +303,14 @@ class WgradBody:
 # ---------------------------------------------------------------------------------------------
 # Grad rules of TransformerEngine's warmup
 # ---------------------------------------------------------------------------------------------
-def kept_params(n_user_requiring_grad: int, surface: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                params: tuple[torch.nn.Parameter, ...], allow_unused_input: bool, it: int) -> tuple[torch.nn.Parameter, ...]:
+def kept_params(
+    n_user_requiring_grad: int,
+    surface: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    params: tuple[torch.nn.Parameter, ...],
+    allow_unused_input: bool,
+    it: int,
+) -> tuple[torch.nn.Parameter, ...]:
     """TransformerEngine's rules after a warmup backward over ``surface`` (the args and
     parameters that require grad): a sample arg that got no grad is an error unless
     ``allow_unused_input``; parameters that got none in the first iteration leave the static
@@ -296,6 +326,7 @@ def kept_params(n_user_requiring_grad: int, surface: Sequence[torch.Tensor], gra
         if it != 0:
             raise RuntimeError(
                 "no-grad params should only be used as inputs in the first warmup"
-                f" iteration, but found in iteration {it}")
+                f" iteration, but found in iteration {it}"
+            )
         return tuple(kept)  # type: ignore[arg-type]
     return params

@@ -6,6 +6,7 @@ raw calls underneath. Each was checked on torch 2.9, 2.10 and 2.11 (CUDA 12.x/13
 is used with the signature given here; when a torch release moves one, this module is the only
 place to change.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,7 +47,8 @@ empty_cache: Callable[[], None] = torch._C._cuda_emptyCache
 
 def current_stream(device_index: int) -> tuple[int, int, int]:
     """(stream_id, device_index, device_type) of the device's current stream."""
-    return tuple(torch._C._cuda_getCurrentStream(device_index))  # type: ignore[return-value]
+    sid, dev, typ = torch._C._cuda_getCurrentStream(device_index)
+    return int(sid), int(dev), int(typ)
 
 
 def set_stream(stream_id: int, device_index: int, device_type: int) -> None:
@@ -109,7 +111,8 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
 # autograd's engine entry point, as torch.autograd.grad calls it (stable since torch 1.8: tensors,
 # grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad).
 run_backward: Callable[..., tuple[Tensor | None, ...]] | None = getattr(
-    getattr(torch.autograd.Variable, "_execution_engine", None), "run_backward", None)
+    getattr(torch.autograd.Variable, "_execution_engine", None), "run_backward", None
+)
 has_torch_function: Callable[[Any], bool] = torch._C._has_torch_function
 functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 _autograd_log = logging.getLogger("torch.autograd.graph")
@@ -124,4 +127,4 @@ def cpp_function_apply(function_class: type) -> Callable[..., Any]:
     """The C++ ``apply`` of an autograd Function class, below torch's Python classmethod (which
     maps pytree over every argument to unwrap functorch wrappers: more than half of a small
     graphed call's host time). Use only outside functorch transforms."""
-    return super(torch.autograd.Function, function_class).apply  # type: ignore[misc, arg-type]
+    return super(torch.autograd.Function, function_class).apply  # type: ignore[misc]

@@ -7,6 +7,7 @@ parameters get grads. The loop is kept tight (for small layers its per-op Python
 part of graphing time): generator offsets are read once between ops, output checks run on each
 pass's first forward, zero incoming grads are reused across one pass's consecutive iterations.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,8 @@ def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device
             raise ValueError(
                 f"gograph: output leaf {k} of callable {st.index} ({st.spec.label}) is on {o.device}, but graphs "
                 f"are captured on {device}: a CUDA graph can only produce tensors on its device. Keep outputs on "
-                "the device and move them after the call")
+                "the device and move them after the call"
+            )
 
 
 def run_warmup(build: Any, ops: Sequence[_plan.Op]) -> None:
@@ -84,10 +86,19 @@ def warm_forward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, device: 
     hooks.run("forward_pre_hooks", spec.callable_index, func)
     if st.wgrad_candidates is None:  # the module tree is fixed while graphing: look once
         st.wgrad_candidates = _te.wgrad_candidates(func)
-    grad_mode = (contextlib.nullcontext() if torch.is_grad_enabled() == spec.grad_enabled
-                 else torch.set_grad_enabled(spec.grad_enabled))
-    with grad_mode, (_te.discover_wgrad_modules(func, st.wgrad_modules, st.wgrad_candidates)
-                     if st.wgrad_candidates else contextlib.nullcontext()):
+    grad_mode = (
+        contextlib.nullcontext()
+        if torch.is_grad_enabled() == spec.grad_enabled
+        else torch.set_grad_enabled(spec.grad_enabled)
+    )
+    with (
+        grad_mode,
+        (
+            _te.discover_wgrad_modules(func, st.wgrad_modules, st.wgrad_candidates)
+            if st.wgrad_candidates
+            else contextlib.nullcontext()
+        ),
+    ):
         outputs = st.body(*st.sample_args, **st.sample_kwargs)
     if not st.warmed:
         check_outputs(st, outputs, device)
@@ -111,22 +122,33 @@ def warm_backward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, allow_u
     grads = _zero_grads(st, outputs, mask, hooks.hooks is None)
     hooks.run("backward_pre_hooks", st.spec.callable_index, func)
     surface = st.grad_surface
-    result = autograd_grad(tuple(o for o, m in zip(outputs, mask) if m), surface,
-                           tuple(g for g in grads if g is not None), True if st.te_grads else allow_unused_input)
+    result = autograd_grad(
+        tuple(o for o, m in zip(outputs, mask) if m),
+        surface,
+        tuple(g for g in grads if g is not None),
+        True if st.te_grads else allow_unused_input,
+    )
     hooks.run("backward_hooks", st.spec.callable_index, func)
     if st.te_grads:
         n_user = sum(1 for t in st.flat_args if t.requires_grad)
         st.params = _te.kept_params(n_user, surface, result, st.params, allow_unused_input, it)
 
 
-def _zero_grads(st: PassState, outputs: tuple[Tensor, ...], mask: tuple[bool, ...], reuse: bool) -> tuple[Tensor | None, ...]:
+def _zero_grads(
+    st: PassState, outputs: tuple[Tensor, ...], mask: tuple[bool, ...], reuse: bool
+) -> tuple[Tensor | None, ...]:
     """Zero incoming grads (zeros, not torch's empty_like: uninitialised memory can hold NaNs a
     hook or anomaly detection would trip on). Without capture-time hooks (which could write
     them) one pass's buffers serve its consecutive iterations (autograd only reads them)."""
     prev = st.warm_grads if reuse else None
-    if prev is not None and len(prev) == len(outputs) and all(
+    if (
+        prev is not None
+        and len(prev) == len(outputs)
+        and all(
             (p is None) == (not m) and (p is None or tensor_signature(p) == tensor_signature(o))
-            for p, o, m in zip(prev, outputs, mask)):
+            for p, o, m in zip(prev, outputs, mask)
+        )
+    ):
         return prev
     grads = tuple(torch.zeros_like(o) if m else None for o, m in zip(outputs, mask))
     if reuse:
@@ -144,15 +166,17 @@ def warm_dw(st: PassState, build: Any, kind: str, entry: str | None) -> None:
         raise _plan.ScheduleError(
             f"gograph: {entry}: a weight-gradient entry for pass {st.index} ({st.spec.label}), but no submodule "
             "that ran in its forward needs a delayed weight gradient (none defines need_backward_dw() and "
-            "backward_dw() with need_backward_dw() True). TransformerEngine: \"No module needs wgrad computation "
-            "but get float in order\"")
+            'backward_dw() with need_backward_dw() True). TransformerEngine: "No module needs wgrad computation '
+            'but get float in order"'
+        )
     if entry is not None and kind == _plan.BACKWARD_STEP and need:
         names = sorted({type(m).__name__ for m in mods if m.need_backward_dw()})
         raise _plan.ScheduleError(
             f"gograph: {entry}: pass {st.index} ({st.spec.label}) needs a delayed weight gradient "
             f"(need_backward_dw() of {', '.join(names)} is True), but no -(c+0.5) entry of its chunk pairs with "
             "this backward; every backward of a chunk that delays its weight gradient needs one "
-            "(TransformerEngine: \"Number of wgrad graph doesn't match number of dgrad graphs\")")
+            '(TransformerEngine: "Number of wgrad graph doesn\'t match number of dgrad graphs")'
+        )
     st.need_dw = need
     if not need:
         return

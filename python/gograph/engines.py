@@ -16,6 +16,7 @@ nothing the core can.
 
 Pass kinds (the core's numbering): :data:`FORWARD` = 0, :data:`BACKWARD` = 1, :data:`WGRAD` = 2.
 """
+
 from __future__ import annotations
 
 import abc
@@ -107,12 +108,21 @@ class Engine(abc.ABC):
         """``building -> ready``: the pass may now be replayed."""
         _core.seal_pass(pass_id)
 
-    def capture(self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable,
-                uses_rng: bool | None = None, mode: int = CAPTURE_MODE_GLOBAL) -> tuple[tuple[torch.Tensor | None, ...], int]:
+    def capture(
+        self,
+        pass_id: int,
+        kind: int,
+        body: Body,
+        *body_args: Any,
+        pool: Hashable,
+        uses_rng: bool | None = None,
+        mode: int = CAPTURE_MODE_GLOBAL,
+    ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         """Captures ``body(*body_args)`` as graph ``kind`` of pass ``pass_id`` in ``pool`` and
         returns the body's results -- the *static* tensors every later replay of this kind
-        overwrites in place -- and the capture's sequence number in the pool. ``uses_rng``: whether the body consumed generator state in warmup
-        (None: unknown); ``mode`` the stream capture mode (0 global, 1 thread_local, 2 relaxed:
+        overwrites in place -- and the capture's sequence number in the pool. ``uses_rng``:
+        whether the body consumed generator state in warmup (None: unknown); ``mode`` the stream
+        capture mode (0 global, 1 thread_local, 2 relaxed:
         ``capture_error_mode``). On failure nothing of this capture is attached to the pass; a pool
         reference it took stays with the pass (released by :meth:`release`). Finalizers that
         fire during the capture release their passes after it."""
@@ -130,8 +140,9 @@ class Engine(abc.ABC):
                 self._drain_deferred()
 
     @abc.abstractmethod
-    def _capture(self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable,
-                 uses_rng: bool | None, mode: int) -> tuple[tuple[torch.Tensor | None, ...], int]:
+    def _capture(
+        self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable, uses_rng: bool | None, mode: int
+    ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         """The engine's part of :meth:`capture`: the body's results and the capture's sequence
         number in the pool (from ``end_pass_capture``)."""
 
@@ -158,10 +169,10 @@ class Engine(abc.ABC):
         finally:
             self._release_refs(pool, int(_core.drop_pass(pass_id)))
 
-    def _release_refs(self, pool: Hashable, refs: int) -> None:
+    def _release_refs(self, pool: Hashable, refs: int) -> None:  # noqa: B027 (optional: engines with device pools)
         """Returns ``refs`` pool references on the allocator (none to return without one)."""
 
-    def _forget(self, pass_id: int) -> None:
+    def _forget(self, pass_id: int) -> None:  # noqa: B027 (optional)
         """Drops engine-side state of a released pass."""
 
     def finalize_pass(self, pass_id: int, pool: Hashable) -> None:
@@ -199,7 +210,7 @@ class Engine(abc.ABC):
     def set_rng_state(self, state: Any) -> None:
         """Restores a :meth:`get_rng_state` snapshot."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 (optional: engines without a device)
         """Waits for device work (no-op on the eager engine)."""
 
     # -- introspection (memory report, logging) -----------------------------------------------
@@ -255,9 +266,12 @@ class CudaEngine(Engine):
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | int | str | None = None,
-                 generators: Sequence[torch.Generator] = (),
-                 stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | int | str | None = None,
+        generators: Sequence[torch.Generator] = (),
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         """``device``: the CUDA device of the captures (default: the current one).
         ``generators``: extra CUDA generators captures must carry (besides the default one, e.g.
         a tensor-parallel RNG tracker's). ``stream``: the side stream for warmup and capture
@@ -265,17 +279,21 @@ class CudaEngine(Engine):
         under (DDP's gradient accumulators record their stream at creation)."""
         super().__init__()
         if not _native.cuda_available():
-            raise RuntimeError("gograph: the CUDA engine needs the cuda flavor of the Go core, which is not loaded: "
-                               f"{_native.cuda_unavailable_reason()}")
+            raise RuntimeError(
+                "gograph: the CUDA engine needs the cuda flavor of the Go core, which is not loaded: "
+                f"{_native.cuda_unavailable_reason()}"
+            )
         if not torch.cuda.is_available():
             raise RuntimeError("gograph: the CUDA engine needs torch with CUDA; torch.cuda.is_available() is False")
         self.device = _cuda_device(device)
-        self.device_index: int = int(self.device.index)  # type: ignore[arg-type]
+        self.device_index: int = int(self.device.index or 0)
         if stream is not None and stream.device != self.device:
             raise ValueError(f"gograph: CudaEngine stream is on {stream.device}, not on the engine's {self.device}")
         if stream is not None and int(stream.cuda_stream) == 0:
-            raise ValueError("gograph: CudaEngine cannot capture on the legacy default stream (0); "
-                             "pass a side stream such as torch.cuda.Stream()")
+            raise ValueError(
+                "gograph: CudaEngine cannot capture on the legacy default stream (0); "
+                "pass a side stream such as torch.cuda.Stream()"
+            )
         self.stream: torch.cuda.Stream = stream if stream is not None else torch.cuda.Stream(self.device)
         self.rng = RngCompanions(self.device, generators)
 
@@ -302,8 +320,9 @@ class CudaEngine(Engine):
         # this thread's current stream: the release then waits for the next build.
         return self._capture_depth > 0 or bool(_torch.is_current_stream_capturing())
 
-    def _capture(self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable,
-                 uses_rng: bool | None, mode: int) -> tuple[tuple[torch.Tensor | None, ...], int]:
+    def _capture(
+        self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable, uses_rng: bool | None, mode: int
+    ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         # Python's cyclic GC must not run while the stream captures: a collected cycle holding a
         # torch CUDAGraph destroys it mid-capture, which invalidates the capture (seen on the H200).
         gc_enabled = gc.isenabled()
@@ -317,8 +336,9 @@ class CudaEngine(Engine):
             if gc_enabled:
                 gc.enable()
 
-    def _capture_with_companion(self, pass_id: int, kind: int, body: Body, body_args: tuple[Any, ...],
-                                pool: Hashable, rng: bool, mode: int) -> tuple[tuple[torch.Tensor | None, ...], int]:
+    def _capture_with_companion(
+        self, pass_id: int, kind: int, body: Body, body_args: tuple[Any, ...], pool: Hashable, rng: bool, mode: int
+    ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         companion, companion_pool = self.rng.begin() if rng else (None, None)
         ok = False
         try:
@@ -336,8 +356,9 @@ class CudaEngine(Engine):
             self.rng.keep(pass_id, kind, companion)
         return result, seq
 
-    def _transaction(self, pass_id: int, kind: int, body: Body, body_args: tuple[Any, ...],
-                     pool: Hashable, mode: int) -> tuple[tuple[torch.Tensor | None, ...], int]:
+    def _transaction(
+        self, pass_id: int, kind: int, body: Body, body_args: tuple[Any, ...], pool: Hashable, mode: int
+    ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         """The core's capture transaction on the side stream, allocations routed to ``pool``."""
         idx, sid = self.device_index, int(self.stream.cuda_stream)
         with _OnStream(self.stream):
@@ -368,7 +389,8 @@ class CudaEngine(Engine):
                 "current CUDA stream is capturing (inside torch.cuda.graph or another "
                 "make_graphed_callables capture): a graphed callable cannot run inside a second capture. "
                 "Graph the callables together in one make_graphed_callables call, or run the original "
-                "(ungraphed) module inside the capture.")
+                "(ungraphed) module inside the capture."
+            )
         companions = self.rng.companions
         if companions:
             companion = companions.get((pass_id, kind))
@@ -438,7 +460,10 @@ class CudaEngine(Engine):
             return None
         reserved = active = segments = 0
         for seg in torch.cuda.memory_snapshot():
-            if seg.get("device", self.device_index) == self.device_index and tuple(seg.get("segment_pool_id", ())) == want:
+            if (
+                seg.get("device", self.device_index) == self.device_index
+                and tuple(seg.get("segment_pool_id", ())) == want
+            ):
                 reserved += int(seg.get("total_size", 0))
                 active += int(seg.get("active_size", 0))
                 segments += 1
@@ -522,15 +547,17 @@ class EagerEngine(Engine):
         if pool is not None and not isinstance(pool, EagerPool):
             raise TypeError(
                 f"gograph: pool must be a token from gograph.graph_pool_handle() (an EagerPool on the eager "
-                f"engine) or None, got {pool!r}")
+                f"engine) or None, got {pool!r}"
+            )
 
     def new_pass(self, index: int, label: str) -> int:
         pass_id = super().new_pass(index, label)
         self._passes[pass_id] = _EagerPassRecord()
         return pass_id
 
-    def _capture(self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable,
-                 uses_rng: bool | None, mode: int) -> tuple[tuple[torch.Tensor | None, ...], int]:
+    def _capture(
+        self, pass_id: int, kind: int, body: Body, *body_args: Any, pool: Hashable, uses_rng: bool | None, mode: int
+    ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         _core.begin_pass_capture(pass_id, kind, self.pool_key(pool), 0, 0)
         try:
             result = tuple(body(*body_args))
@@ -558,7 +585,8 @@ class EagerEngine(Engine):
             if live is None:
                 raise RuntimeError(
                     f"gograph eager engine: backward replay of pass {pass_id} without a forward replay since "
-                    "the previous backward; a CUDA graph would silently reuse the activations of the latest forward")
+                    "the previous backward; a CUDA graph would silently reuse the activations of the latest forward"
+                )
             with torch.enable_grad():
                 new = tuple(entry.body(live))
             del live
@@ -588,8 +616,10 @@ class EagerEngine(Engine):
 def _copy_into_static(pass_id: int, kind: int, static: tuple[torch.Tensor | None, ...], new: tuple[Any, ...]) -> None:
     what = KIND_NAMES.get(kind, kind)
     if len(new) != len(static):
-        raise RuntimeError(f"gograph eager engine: {what} replay of pass {pass_id} produced {len(new)} results, "
-                           f"capture produced {len(static)}")
+        raise RuntimeError(
+            f"gograph eager engine: {what} replay of pass {pass_id} produced {len(new)} results, "
+            f"capture produced {len(static)}"
+        )
     with torch.no_grad():
         for i, (s, n) in enumerate(zip(static, new)):
             if s is None:
@@ -601,7 +631,8 @@ def _copy_into_static(pass_id: int, kind: int, static: tuple[torch.Tensor | None
                 raise RuntimeError(
                     f"gograph eager engine: {what} replay of pass {pass_id} produced result {i} with shape "
                     f"{tuple(n.shape)} and dtype {n.dtype}, but the captured static tensor has shape "
-                    f"{tuple(s.shape)} and dtype {s.dtype}; graphed callables need static shapes")
+                    f"{tuple(s.shape)} and dtype {s.dtype}; graphed callables need static shapes"
+                )
             if s.data_ptr() != n.data_ptr():
                 s.copy_(n)
 
@@ -648,8 +679,11 @@ def resolve_engine(engine: Engine | str | None, tensors: Sequence[torch.Tensor])
         what = "engine='cuda' was requested" if engine == "cuda" else "sample_args are CUDA tensors"
         raise RuntimeError(
             f"gograph: {what} but the CUDA core is unavailable: {_native.cuda_unavailable_reason()}. "
-            "Pass CPU tensors (or engine='eager') to use the eager reference engine.")
+            "Pass CPU tensors (or engine='eager') to use the eager reference engine."
+        )
     devices = {t.device for t in cuda_tensors}
     if len(devices) > 1:
-        raise ValueError(f"gograph: all sample args and parameters must be on one CUDA device, got {sorted(map(str, devices))}")
+        raise ValueError(
+            f"gograph: all sample args and parameters must be on one CUDA device, got {sorted(map(str, devices))}"
+        )
     return default_cuda_engine(next(iter(devices)) if devices else torch.device("cuda", torch.cuda.current_device()))

@@ -15,6 +15,7 @@ own (both documented on ``make_graphed_callables``):
 * a parameter grad may be *lent*: ``.grad`` is the static buffer itself, and before a replay
   that could overwrite it (:class:`LentGrads`) it is copied out if anything still holds it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,12 +90,14 @@ class Shared:
 # Lent parameter grads
 # ---------------------------------------------------------------------------------------------
 class _Lent:
-    __slots__ = ("seq", "pass_id", "param", "storage", "data_ptr", "baseline", "label")
+    __slots__ = ("baseline", "data_ptr", "label", "param", "pass_id", "seq", "storage")
 
     def __init__(self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, label: str) -> None:
         self.seq, self.pass_id, self.label = seq, pass_id, label
         self.param = weakref.ref(param)
-        self.storage, self.baseline = slot.storage, slot.baseline
+        assert slot.storage is not None  # lent slots have one
+        self.storage: torch.UntypedStorage = slot.storage
+        self.baseline = slot.baseline
         self.data_ptr = slot.static.data_ptr()
 
 
@@ -103,11 +106,11 @@ class _GradSlot:
     static buffer; for a lent one, the buffer's storage and how many references gograph itself
     holds on it (counted when the build ended: anything beyond is a holder of the lent grad)."""
 
-    __slots__ = ("index", "param", "policy", "static", "storage", "baseline")
+    __slots__ = ("baseline", "index", "param", "policy", "static", "storage")
 
     def __init__(self, index: int, param: torch.nn.Parameter, policy: str, static: Tensor) -> None:
         self.index, self.param, self.policy, self.static = index, param, policy, static
-        self.storage = static.untyped_storage() if policy == _plan.GRAD_LEND else None
+        self.storage: torch.UntypedStorage | None = static.untyped_storage() if policy == _plan.GRAD_LEND else None
         self.baseline = _torch.storage_use_count(self.storage) if self.storage is not None else 0
 
 
@@ -162,7 +165,8 @@ def _copy_out(e: _Lent) -> None:
             f"gograph: a tensor that shares the gradient buffer {e.label} lent to .grad by an earlier backward is "
             "still alive (not that .grad itself, which was copied out), and this replay would overwrite it: "
             "chain_buffers lends graphed backwards' static gradient buffers to .grad. Clone a gradient you "
-            "keep past the next forward (g = p.grad.clone()), or graph without chain_buffers")
+            "keep past the next forward (g = p.grad.clone()), or graph without chain_buffers"
+        )
 
 
 _LENT: dict[str, LentGrads] = {}
@@ -224,8 +228,9 @@ class GraphedCallable:
         self.output_spec = result.output_spec
         self.has_backward = result.has_backward
         self._single_output = result.output_spec.is_leaf()
-        self._nondiff_outputs = tuple(i for i, rg in enumerate(result.output_requires_grad)
-                                      if not (rg and result.has_backward))
+        self._nondiff_outputs = tuple(
+            i for i, rg in enumerate(result.output_requires_grad) if not (rg and result.has_backward)
+        )
         self._init_call(spec, result)
         self._init_grads(result, shared)
         self._module_ref = weakref.ref(spec.func) if isinstance(spec.func, torch.nn.Module) else None
@@ -243,11 +248,13 @@ class GraphedCallable:
         index, chained)."""
         self._input_sig: tuple[tuple[Tensor, torch.Size, torch.dtype, int, bool], ...] = tuple(
             (s, s.shape, s.dtype, s.get_device(), j in result.chained_inputs)
-            for j, s in enumerate(result.static_inputs))
+            for j, s in enumerate(result.static_inputs)
+        )
         self._args_spec = spec.args_spec
         self._flat_args = spec.args_spec == flat_tuple_spec(spec.args_spec.num_leaves)
-        self._nograd_args = tuple(i for i, s in enumerate(result.static_inputs) if not s.requires_grad
-                                  ) if result.has_backward else ()
+        self._nograd_args = (
+            tuple(i for i, s in enumerate(result.static_inputs) if not s.requires_grad) if result.has_backward else ()
+        )
         self._kwargs_keys = spec.kwargs_keys
         self._kwargs_spec = spec.kwargs_spec
         self._n_pos = spec.n_pos
@@ -261,7 +268,8 @@ class GraphedCallable:
         self._param_grad_slots: tuple[_GradSlot, ...] = tuple(
             _GradSlot(n + k, p, result.grad_policy[n + k], self.static_grad_inputs[n + k])  # type: ignore[arg-type]
             for k, p in enumerate(result.params)
-            if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None)
+            if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None
+        )
         self._lent = shared.lent if any(s.policy == _plan.GRAD_LEND for s in self._param_grad_slots) else None
         self._fwd_seq, self._bwd_seq = result.seq
 
@@ -282,15 +290,18 @@ class GraphedCallable:
         return self._module_ref() if self._module_ref is not None else None
 
     def __repr__(self) -> str:
-        return (f"GraphedCallable(index={self.index}, label={self.label!r}, pass_id={self.pass_id}, "
-                f"engine={self.engine.name}, {'reset' if self._released else 'ready'})")
+        return (
+            f"GraphedCallable(index={self.index}, label={self.label!r}, pass_id={self.pass_id}, "
+            f"engine={self.engine.name}, {'reset' if self._released else 'ready'})"
+        )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("gograph: a graphed callable cannot be pickled or copied (it owns device graphs)")
 
     def __deepcopy__(self, memo: Any) -> Any:
-        raise TypeError("gograph: a graphed callable cannot be copied (it owns device graphs); "
-                        "copy the module before graphing it")
+        raise TypeError(
+            "gograph: a graphed callable cannot be copied (it owns device graphs); copy the module before graphing it"
+        )
 
     # -- calling ------------------------------------------------------------------------------
     def __call__(self, *user_args: Any, **user_kwargs: Any) -> Any:
@@ -336,11 +347,13 @@ class GraphedCallable:
                 raise TypeError(
                     f"gograph: graphed callable {self.index} ({self.label}) must be called with args in the "
                     f"pytree structure of its sample_args, {_structure(self._args_spec)}; got {_structure(spec)}. "
-                    "Pass the same nesting (tuples, lists, dict keys in the same order)")
+                    "Pass the same nesting (tuples, lists, dict keys in the same order)"
+                )
         if len(flat) != self._n_pos:
             raise TypeError(
                 f"gograph: graphed callable {self.index} ({self.label}) was captured with {self._n_pos} tensor "
-                f"argument(s) and called with {len(flat)}; pass args in the structure of its sample_args")
+                f"argument(s) and called with {len(flat)}; pass args in the structure of its sample_args"
+            )
         if kw_leaves:
             flat = (*flat, *kw_leaves)
         return opts, flat
@@ -352,7 +365,8 @@ class GraphedCallable:
                     f"gograph: argument leaf {i} of graphed callable {self.index} ({self.label}) requires grad, but "
                     "its sample arg did not, so the backward graph computes no grad for it and the grad would be "
                     "silently dropped. Graph it with a sample arg that has requires_grad=True at this position, "
-                    "or pass a detached tensor")
+                    "or pass a detached tensor"
+                )
 
     def _take_kwargs(self, user_kwargs: dict[str, Any]) -> tuple[tuple[Any, Any] | None, Sequence[Any]]:
         """Splits call kwargs into the replay options (``cuda_graph_stream``,
@@ -366,15 +380,22 @@ class GraphedCallable:
             if key not in kwargs:
                 raise TypeError(
                     f"gograph: graphed callable {self.index} ({self.label}) was initialized with kwarg {key}, but "
-                    f"it was not provided in graph replay (TransformerEngine: \"Graphed callable was initialized "
-                    f"with kwarg {key} ,but it was not provided in graph replay\")")
+                    f'it was not provided in graph replay (TransformerEngine: "Graphed callable was initialized '
+                    f'with kwarg {key} ,but it was not provided in graph replay")'
+                )
             values.append(kwargs.pop(key))
         if kwargs:
-            what = (f" that were not in its sample_kwargs {list(self._kwargs_keys)}; a graph replays only the inputs "
-                    "it was captured with") if self._kwargs_keys else (
-                    "; it takes its arguments positionally, in the structure of its sample_args")
-            raise TypeError(f"gograph: graphed callable {self.index} ({self.label}) got keyword arguments "
-                            f"{sorted(kwargs)}{what}")
+            what = (
+                (
+                    f" that were not in its sample_kwargs {list(self._kwargs_keys)}; a graph replays only the inputs "
+                    "it was captured with"
+                )
+                if self._kwargs_keys
+                else ("; it takes its arguments positionally, in the structure of its sample_args")
+            )
+            raise TypeError(
+                f"gograph: graphed callable {self.index} ({self.label}) got keyword arguments {sorted(kwargs)}{what}"
+            )
         if not self._kwargs_keys:
             return opts, ()
         leaves, spec = pytree.tree_flatten(values)
@@ -382,7 +403,8 @@ class GraphedCallable:
             raise TypeError(
                 f"gograph: the keyword arguments {list(self._kwargs_keys)} of graphed callable {self.index} "
                 f"({self.label}) must have the pytree structure of its sample_kwargs, "
-                f"{_structure(self._kwargs_spec)}; got {_structure(spec)}")  # type: ignore[arg-type]
+                f"{_structure(spec if self._kwargs_spec is None else self._kwargs_spec)}; got {_structure(spec)}"
+            )
         return opts, leaves
 
     # -- replays ------------------------------------------------------------------------------
@@ -415,8 +437,7 @@ class GraphedCallable:
             self._raise_reset()
         if lent is not None and lent.entries:
             lent.sweep(self._fwd_seq)
-        i = 0
-        for static, shape, dtype, device, chained in sig:
+        for i, (static, shape, dtype, device, chained) in enumerate(sig):
             new = inputs[i]
             if new is not static:
                 try:
@@ -431,15 +452,20 @@ class GraphedCallable:
                     static.copy_(new)
                 elif chained and new.stride() != static.stride():
                     self._raise_unchained(i, new)
-            i += 1
         if opts is None:
             self.engine.replay(self.pass_id, FORWARD)
         else:
             self._launch(FORWARD, opts)
         return tuple([o.detach() for o in outputs])
 
-    def _replay_backward(self, grads: tuple[Tensor | None, ...], opts: tuple[Any, Any] | None = None) -> tuple[Tensor | None, ...]:
-        static_grad_outputs, static_grad_inputs, lent = self.static_grad_outputs, self.static_grad_inputs, self.shared.lent
+    def _replay_backward(
+        self, grads: tuple[Tensor | None, ...], opts: tuple[Any, Any] | None = None
+    ) -> tuple[Tensor | None, ...]:
+        static_grad_outputs, static_grad_inputs, lent = (
+            self.static_grad_outputs,
+            self.static_grad_inputs,
+            self.shared.lent,
+        )
         if self._released:
             self.engine.replay(self.pass_id, BACKWARD)  # raises: "... was reset ..."
             raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
@@ -470,8 +496,13 @@ class GraphedCallable:
             if out[i] is None or param.grad is not None:
                 continue
             if slot.policy == _plan.GRAD_LEND and self._lent is not None:
-                self._lent.lend(self._bwd_seq, self.pass_id, param, slot, f"of graphed callable {self.index} "
-                                f"({self.label}), parameter {i - self.len_user_args}")
+                self._lent.lend(
+                    self._bwd_seq,
+                    self.pass_id,
+                    param,
+                    slot,
+                    f"of graphed callable {self.index} ({self.label}), parameter {i - self.len_user_args}",
+                )
             else:
                 out[i] = out[i].clone()  # type: ignore[union-attr]
 
@@ -485,8 +516,10 @@ class GraphedCallable:
         wgrad = self._wgrad
         if self._released:
             self.engine.replay(self.pass_id, WGRAD)  # the core raises: "... was reset ..."
-            raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset; "
-                               "backward_dw() has no weight-gradient graph to replay")
+            raise RuntimeError(
+                f"gograph: graphed callable {self.index} ({self.label}) was reset; "
+                "backward_dw() has no weight-gradient graph to replay"
+            )
         if wgrad is None:
             return
         self.engine.replay(self.pass_id, WGRAD)
@@ -502,7 +535,8 @@ class GraphedCallable:
             "underway on this thread (inside another make_graphed_callables capture): a graph cannot be "
             "replayed inside a second capture. Graph the callables together in one "
             "make_graphed_callables call (a tuple, in the order they run), or call the original "
-            "(ungraphed) module inside the outer callable")
+            "(ungraphed) module inside the outer callable"
+        )
 
     def _check_arg(self, i: int, new: Any, chained: bool) -> None:
         """The slow path of the argument check: raises for what a graph cannot replay; a dtype
@@ -510,19 +544,27 @@ class GraphedCallable:
         static, shape, dtype, device, _ = self._input_sig[i]
         where = f"argument leaf {i} of graphed callable {self.index} ({self.label})"
         if not isinstance(new, Tensor):
-            raise TypeError(f"gograph: {where} is of type {type(new).__name__}, not a Tensor; graphed "
-                            "callables take tensors in the structure of their sample_args")
+            raise TypeError(
+                f"gograph: {where} is of type {type(new).__name__}, not a Tensor; graphed "
+                "callables take tensors in the structure of their sample_args"
+            )
         captured = f"shape {tuple(shape)}, dtype {dtype}, device {static.device}"
         got = f"shape {tuple(new.shape)}, dtype {new.dtype}, device {new.device}"
         if new.shape != shape or new.get_device() != device or chained:
             raise StaticInputMismatchError(
                 f"gograph: {where} has {got}, but the graph was captured with {captured}. A graph replays "
                 "fixed shapes and devices (it would not broadcast or move): pass a matching tensor "
-                "(e.g. .to(...)), or graph a separate callable for this shape")
+                "(e.g. .to(...)), or graph a separate callable for this shape"
+            )
         if not self._cast_noted:
             self._cast_noted = True
-            log.debug("gograph: %s has dtype %s; the copy into its %s static input casts it (as torch's "
-                      "graphed callables do, e.g. under autocast)", where, new.dtype, dtype)
+            log.debug(
+                "gograph: %s has dtype %s; the copy into its %s static input casts it (as torch's "
+                "graphed callables do, e.g. under autocast)",
+                where,
+                new.dtype,
+                dtype,
+            )
 
     def _raise_unchained(self, i: int, new: Tensor) -> None:
         raise ChainedInputError(
@@ -531,7 +573,8 @@ class GraphedCallable:
             "must be called with that output itself (the tensor the previous callable returned), not another "
             "tensor: copying into the buffer would change the previous callable's output, which you hold and its "
             "backward may read. Call the layers in the order they were graphed, each on the previous one's "
-            "output, or graph without chain_buffers")
+            "output, or graph without chain_buffers"
+        )
 
     def _raise_reset(self) -> None:
         self.engine.replay(self.pass_id, FORWARD)  # the core's message: "... was reset ..."
@@ -591,8 +634,12 @@ class _GraphedFunction(torch.autograd.Function):
     passed in as the first, non-tensor, argument)."""
 
     @staticmethod
-    def forward(ctx: Any, graphed: GraphedCallable, opts: tuple[Any, Any] | None,  # type: ignore[override]
-                *inputs: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any,
+        graphed: GraphedCallable,
+        opts: tuple[Any, Any] | None,
+        *inputs: Tensor,
+    ) -> tuple[Tensor, ...]:
         ctx.graphed = graphed
         ctx.opts = opts  # cuda_graph_stream / cuda_graph_event, also used by the backward
         outputs = graphed._replay_forward(inputs, opts)
@@ -601,7 +648,7 @@ class _GraphedFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():
             # backward(create_graph=True): the graph's backward is not differentiable; without
             # create_graph autograd runs this with grad mode off, and once_differentiable's
@@ -621,7 +668,8 @@ def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
             f"gograph: trying to backward through graphed callable {graphed.index} ({graphed.label}) a second "
             "time for the same forward call. A graphed backward can run once per forward (retain_graph=True "
             "cannot keep graph activations unless the callable was graphed with retain_graph_in_backward=True): "
-            "call the graphed callable again and backward through its new outputs")
+            "call the graphed callable again and backward through its new outputs"
+        )
     ctx.gograph_backward_done = True
     return (None, None, *graphed._replay_backward(grads, ctx.opts))
 

@@ -5,6 +5,7 @@ the schedule (:mod:`gograph._plan`), build -- warmup, captures and every release
 core's program, executed by :class:`gograph._build.Build` -- and return the graphed callables in
 the structure of ``callables``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,26 +46,46 @@ class GraphedModule(Protocol):
 
 
 @overload
-def make_graphed_callables(callables: torch.nn.Module, sample_args: tuple[Any, ...], num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Hashable | None = None,
-                           **options: Unpack[GraphOptions]) -> GraphedModule: ...
+def make_graphed_callables(  # type: ignore[overload-overlap]
+    callables: torch.nn.Module,
+    sample_args: tuple[Any, ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: Hashable | None = None,
+    **options: Unpack[GraphOptions],
+) -> GraphedModule: ...
 
 
 @overload
-def make_graphed_callables(callables: tuple[Any, ...], sample_args: Any, num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Hashable | None = None,
-                           **options: Unpack[GraphOptions]) -> tuple[Any, ...]: ...
+def make_graphed_callables(
+    callables: tuple[Any, ...],
+    sample_args: Any,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: Hashable | None = None,
+    **options: Unpack[GraphOptions],
+) -> tuple[Any, ...]: ...
 
 
 @overload
-def make_graphed_callables(callables: Callable[..., Any], sample_args: tuple[Any, ...], num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Hashable | None = None,
-                           **options: Unpack[GraphOptions]) -> GraphedCallable: ...
+def make_graphed_callables(
+    callables: Callable[..., Any],
+    sample_args: tuple[Any, ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: Hashable | None = None,
+    **options: Unpack[GraphOptions],
+) -> GraphedCallable: ...
 
 
-def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Hashable | None = None,
-                           **options: Unpack[GraphOptions]) -> Any:
+def make_graphed_callables(
+    callables: Any,
+    sample_args: Any,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: Hashable | None = None,
+    **options: Unpack[GraphOptions],
+) -> Any:
     r"""Accepts callables (functions or :class:`torch.nn.Module`\ s) and returns graphed versions.
 
     A drop-in for :func:`torch.cuda.make_graphed_callables` (torch 2.9-2.11, and the
@@ -162,8 +183,14 @@ def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: i
     """
     _refuse_nested_build()
     req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
-    schedule = _plan.plan_schedule(req.order, req.layers, len(req.callables), len(req.sample_args),
-                                   req.training if req.ordered else True, req.num_warmup_iters)
+    schedule = _plan.plan_schedule(
+        req.order,
+        req.layers,
+        len(req.callables),
+        len(req.sample_args),
+        req.training if req.ordered else True,
+        req.num_warmup_iters,
+    )
     try:
         specs = _args.pass_specs(req, schedule)
         engine = resolve_engine(req.engine, [t for s in specs for t in (*s.flat_args, *s.params)])
@@ -184,9 +211,9 @@ def _attach(graphed: GraphedCallable, spec: _args.PassSpec, ordered: bool) -> An
     stale = module.__dict__.get("backward_dw")
     if isinstance(getattr(stale, "__self__", None), GraphedCallable):
         del module.__dict__["backward_dw"]  # from an earlier (reset) graphing
-    module.forward = graphed  # type: ignore[method-assign]
-    module.reset = graphed.reset  # type: ignore[attr-defined]
-    module.backward_dw = graphed.backward_dw  # type: ignore[attr-defined]
+    # Plain attributes (not parameters, buffers or submodules): nn.Module.__setattr__ would put
+    # them in the instance dict too.
+    module.__dict__.update(forward=graphed, reset=graphed.reset, backward_dw=graphed.backward_dw)
     return module
 
 
@@ -206,7 +233,8 @@ def _refuse_nested_build() -> None:
             "gograph: make_graphed_callables was called while a CUDA graph capture is underway on the "
             "current stream (inside torch.cuda.graph, or inside a callable being captured by another "
             "make_graphed_callables). Graphs cannot be built inside a capture: call "
-            "make_graphed_callables before (outside) the capture, or graph all callables in one call")
+            "make_graphed_callables before (outside) the capture, or graph all callables in one call"
+        )
 
 
 def graph_pool_handle() -> Hashable:

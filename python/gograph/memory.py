@@ -20,6 +20,7 @@ within a pass and category; totals count each storage once across all passes. Th
 allocator rounds blocks up to 512 bytes, so ``torch.cuda.memory_allocated()`` deltas agree with
 these numbers up to that rounding.
 """
+
 from __future__ import annotations
 
 import json
@@ -202,8 +203,10 @@ def _graphed_callables(obj: Any, seen: set[int]) -> Iterator[Any]:
     if isinstance(obj, torch.nn.Module):
         fwd = obj.__dict__.get("forward")
         if fwd is None:
-            raise TypeError(f"gograph.memory_report: module {type(obj).__name__} is not graphed "
-                            "(its forward was not replaced by make_graphed_callables)")
+            raise TypeError(
+                f"gograph.memory_report: module {type(obj).__name__} is not graphed "
+                "(its forward was not replaced by make_graphed_callables)"
+            )
         yield from _graphed_callables(fwd, seen)
         return
     many = getattr(obj, "graphed_callables", None)
@@ -215,8 +218,10 @@ def _graphed_callables(obj: Any, seen: set[int]) -> Iterator[Any]:
         for item in obj:
             yield from _graphed_callables(item, seen)
         return
-    raise TypeError(f"gograph.memory_report: expected what make_graphed_callables returned (graphed modules "
-                    f"or callables, or a tuple of them), got {type(obj).__name__}")
+    raise TypeError(
+        f"gograph.memory_report: expected what make_graphed_callables returned (graphed modules "
+        f"or callables, or a tuple of them), got {type(obj).__name__}"
+    )
 
 
 def _storage_key(t: Tensor) -> tuple[str, int, int]:
@@ -310,20 +315,30 @@ def memory_report(graphed: Any) -> MemoryReport:
             builds.setdefault(build.id, build)
         captures = [c for c in build.captures if c.pass_id == pid] if build is not None else []
         pm = PassMemory(
-            index=int(g.index), label=str(g.label), pass_id=pid, state=state, engine=eng.name,
-            pool=pool_key, capture_seq=seqs,
-            static_input_bytes=bytes_by["input"], param_bytes=bytes_by["param"],
-            output_bytes=bytes_by["output"], grad_output_bytes=bytes_by["grad_output"],
-            grad_input_bytes=bytes_by["grad_input"], param_grad_bytes=param_grad,
-            graph_nodes=nodes, replay_order_check=bool(core.replay_order_check(pid)),
+            index=int(g.index),
+            label=str(g.label),
+            pass_id=pid,
+            state=state,
+            engine=eng.name,
+            pool=pool_key,
+            capture_seq=seqs,
+            static_input_bytes=bytes_by["input"],
+            param_bytes=bytes_by["param"],
+            output_bytes=bytes_by["output"],
+            grad_output_bytes=bytes_by["grad_output"],
+            grad_input_bytes=bytes_by["grad_input"],
+            param_grad_bytes=param_grad,
+            graph_nodes=nodes,
+            replay_order_check=bool(core.replay_order_check(pid)),
             captures=captures,
         )
         per_pass_static += pm.static_bytes
         passes.append(pm)
         pk = (id(eng), pool_key)
         if pk not in pools:
-            pools[pk] = PoolMemory(pool=pool_key, engine=eng.name, pass_ids=[], reserved_bytes=None,
-                                   active_bytes=None, segments=None)
+            pools[pk] = PoolMemory(
+                pool=pool_key, engine=eng.name, pass_ids=[], reserved_bytes=None, active_bytes=None, segments=None
+            )
             pool_tokens[pk] = (eng, g.pool)
         pools[pk].pass_ids.append(pid)
 
@@ -341,13 +356,17 @@ def memory_report(graphed: Any) -> MemoryReport:
         holders = [h for h in holders if h[3] != "param"]
         if len(holders) < 2:
             continue
-        shared.append(SharedStorage(device=key[0], data_ptr=key[1], nbytes=key[2],
-                                    holders=[f"pass {h[0]} ({h[1]}) {h[2]}" for h in holders]))
+        shared.append(
+            SharedStorage(
+                device=key[0], data_ptr=key[1], nbytes=key[2], holders=[f"pass {h[0]} ({h[1]}) {h[2]}" for h in holders]
+            )
+        )
         for a in holders:
             for b in holders:
                 if a[0] != b[0]:
-                    by_pass[a[0]].shared.append(SharedSlot(slot=a[2], other_pass_id=b[0], other_label=b[1],
-                                                           other_slot=b[2], nbytes=key[2]))
+                    by_pass[a[0]].shared.append(
+                        SharedSlot(slot=a[2], other_pass_id=b[0], other_label=b[1], other_slot=b[2], nbytes=key[2])
+                    )
 
     static_keys: set[tuple[str, int, int]] = set()
     for cat in ("input", "output", "grad_output", "grad_input"):
@@ -372,12 +391,18 @@ def memory_report(graphed: Any) -> MemoryReport:
         capture_seconds=sum(c.seconds for p in passes for c in p.captures),
     )
     summaries = [
-        BuildSummary(build=b.id, engine=b.engine, seconds=b.seconds, captures=len(b.captures),
-                     warmup_seconds=b.warmup_seconds, warmup=b.warmup, debug_replay_order=b.debug_replay_order)
+        BuildSummary(
+            build=b.id,
+            engine=b.engine,
+            seconds=b.seconds,
+            captures=len(b.captures),
+            warmup_seconds=b.warmup_seconds,
+            warmup=b.warmup,
+            debug_replay_order=b.debug_replay_order,
+        )
         for b in builds.values()
     ]
-    return MemoryReport(passes=passes, pools=list(pools.values()), shared=shared, builds=summaries,
-                        totals=totals)
+    return MemoryReport(passes=passes, pools=list(pools.values()), shared=shared, builds=summaries, totals=totals)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,8 +419,9 @@ def _table(header: list[str], rows: list[list[str]], right: Iterable[int]) -> li
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
@@ -403,35 +429,77 @@ def _table(header: list[str], rows: list[list[str]], right: Iterable[int]) -> li
 def _format(r: MemoryReport) -> str:
     t = r.totals
     engines = sorted({p.engine for p in r.passes})
-    out = [f"gograph memory report: {t.passes} pass(es), {t.graphs} graph(s), engine {', '.join(engines)}, "
-           f"{len(r.pools)} pool(s)"]
-    header = ["#", "pass", "label", "state", "seq f/b/w", "inputs", "params", "outputs", "grad out",
-              "grad in", "nodes f/b/w", "capture ms", "shared"]
+    out = [
+        f"gograph memory report: {t.passes} pass(es), {t.graphs} graph(s), engine {', '.join(engines)}, "
+        f"{len(r.pools)} pool(s)"
+    ]
+    header = [
+        "#",
+        "pass",
+        "label",
+        "state",
+        "seq f/b/w",
+        "inputs",
+        "params",
+        "outputs",
+        "grad out",
+        "grad in",
+        "nodes f/b/w",
+        "capture ms",
+        "shared",
+    ]
     rows = []
     for p in r.passes:
         ms = sum(c.seconds for c in p.captures) * 1e3
         others = sorted({s.other_pass_id for s in p.shared})
-        rows.append([
-            str(p.index), str(p.pass_id), p.label + (" [guard]" if p.replay_order_check else ""), p.state,
-            _kinds_str(p.capture_seq), fmt_bytes(p.static_input_bytes), fmt_bytes(p.param_bytes),
-            fmt_bytes(p.output_bytes), fmt_bytes(p.grad_output_bytes), fmt_bytes(p.grad_input_bytes),
-            _kinds_str(p.graph_nodes), f"{ms:.1f}" if p.captures else "-",
-            ",".join(map(str, others)) if others else "-",
-        ])
-    rows.append(["", "", "total (distinct storages)", "", "", fmt_bytes(t.static_input_bytes),
-                 fmt_bytes(t.param_bytes), fmt_bytes(t.output_bytes), fmt_bytes(t.grad_output_bytes),
-                 fmt_bytes(t.grad_input_bytes), "-" if t.graph_nodes is None else str(t.graph_nodes),
-                 f"{t.capture_seconds * 1e3:.1f}", ""])
+        rows.append(
+            [
+                str(p.index),
+                str(p.pass_id),
+                p.label + (" [guard]" if p.replay_order_check else ""),
+                p.state,
+                _kinds_str(p.capture_seq),
+                fmt_bytes(p.static_input_bytes),
+                fmt_bytes(p.param_bytes),
+                fmt_bytes(p.output_bytes),
+                fmt_bytes(p.grad_output_bytes),
+                fmt_bytes(p.grad_input_bytes),
+                _kinds_str(p.graph_nodes),
+                f"{ms:.1f}" if p.captures else "-",
+                ",".join(map(str, others)) if others else "-",
+            ]
+        )
+    rows.append(
+        [
+            "",
+            "",
+            "total (distinct storages)",
+            "",
+            "",
+            fmt_bytes(t.static_input_bytes),
+            fmt_bytes(t.param_bytes),
+            fmt_bytes(t.output_bytes),
+            fmt_bytes(t.grad_output_bytes),
+            fmt_bytes(t.grad_input_bytes),
+            "-" if t.graph_nodes is None else str(t.graph_nodes),
+            f"{t.capture_seconds * 1e3:.1f}",
+            "",
+        ]
+    )
     out += _table(header, rows, right=(0, 1, 5, 6, 7, 8, 9, 10, 11))
-    out.append(f"static buffers: {fmt_bytes(t.static_bytes)} (inputs, outputs, grad buffers; "
-               f"parameters not included); sharing saves {fmt_bytes(t.shared_bytes)}")
+    out.append(
+        f"static buffers: {fmt_bytes(t.static_bytes)} (inputs, outputs, grad buffers; "
+        f"parameters not included); sharing saves {fmt_bytes(t.shared_bytes)}"
+    )
     out.append("pools:")
     for pool in r.pools:
         if pool.reserved_bytes is None:
             mem = "no device pool (eager engine)"
         else:
-            mem = (f"reserved {fmt_bytes(pool.reserved_bytes)}, active {fmt_bytes(pool.active_bytes)} "
-                   f"in {pool.segments} segment(s)")
+            mem = (
+                f"reserved {fmt_bytes(pool.reserved_bytes)}, active {fmt_bytes(pool.active_bytes)} "
+                f"in {pool.segments} segment(s)"
+            )
         out.append(f"  {pool.pool}: passes {','.join(map(str, pool.pass_ids))}; {mem}")
     if r.shared:
         out.append("shared storages:")
@@ -442,10 +510,13 @@ def _format(r: MemoryReport) -> str:
             peak = "warmup peak not measured (eager engine)"
         else:
             w = b.warmup
-            peak = (f"warmup peak {fmt_bytes(w.peak_bytes)} allocated, {fmt_bytes(w.delta_bytes)} above the "
-                    f"{fmt_bytes(w.baseline_bytes)} before warmup"
-                    + ("" if w.exact else " (upper bound: the device's earlier peak was higher)"))
-        out.append(f"build {b.build} ({b.engine}, {b.captures} capture(s), {b.seconds * 1e3:.1f} ms, warmup "
-                   f"{b.warmup_seconds * 1e3:.1f} ms): {peak}"
-                   + ("; replay-order guard on" if b.debug_replay_order else ""))
+            peak = (
+                f"warmup peak {fmt_bytes(w.peak_bytes)} allocated, {fmt_bytes(w.delta_bytes)} above the "
+                f"{fmt_bytes(w.baseline_bytes)} before warmup"
+                + ("" if w.exact else " (upper bound: the device's earlier peak was higher)")
+            )
+        out.append(
+            f"build {b.build} ({b.engine}, {b.captures} capture(s), {b.seconds * 1e3:.1f} ms, warmup "
+            f"{b.warmup_seconds * 1e3:.1f} ms): {peak}" + ("; replay-order guard on" if b.debug_replay_order else "")
+        )
     return "\n".join(out)

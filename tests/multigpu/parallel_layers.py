@@ -28,6 +28,7 @@ Weights are cut from one dense initialisation (made from a CPU generator with a 
 every rank holds its shard of the same model and the tensor-parallel model can be checked against
 the dense one.
 """
+
 from __future__ import annotations
 
 import math
@@ -135,8 +136,8 @@ class ColumnParallelLinear(torch.nn.Module):
             raise ValueError(f"output features {d_out} not divisible by the group size {size}")
         n = d_out // size
         self.group = group
-        self.weight = torch.nn.Parameter(weight[rank * n:(rank + 1) * n].clone())
-        self.bias = torch.nn.Parameter(bias[rank * n:(rank + 1) * n].clone())
+        self.weight = torch.nn.Parameter(weight[rank * n : (rank + 1) * n].clone())
+        self.bias = torch.nn.Parameter(bias[rank * n : (rank + 1) * n].clone())
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
@@ -154,7 +155,7 @@ class RowParallelLinear(torch.nn.Module):
             raise ValueError(f"input features {d_in} not divisible by the group size {size}")
         n = d_in // size
         self.group = group
-        self.weight = torch.nn.Parameter(weight[:, rank * n:(rank + 1) * n].clone())
+        self.weight = torch.nn.Parameter(weight[:, rank * n : (rank + 1) * n].clone())
         self.bias = torch.nn.Parameter(bias.clone())
 
     def forward(self, x: Tensor) -> Tensor:
@@ -165,8 +166,15 @@ class TPMLPBlock(torch.nn.Module):
     """``x + fc2(dropout(gelu(fc1(x))))``, fc1 column-parallel, fc2 row-parallel; dropout draws
     from ``generator`` inside the tensor-parallel region."""
 
-    def __init__(self, d: int, f: int, gen: torch.Generator, group: Any = None, dropout: float = 0.0,
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        d: int,
+        f: int,
+        gen: torch.Generator,
+        group: Any = None,
+        dropout: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__()
         w1, b1 = dense_linear_weights(d, f, gen)
         w2, b2 = dense_linear_weights(f, d, gen)

@@ -29,13 +29,17 @@ Rank 0 prints one PASS/FAIL line per test with the step time (eager vs graphed) 
 memory, and writes ``multigpu-summary.json`` into ``--out-dir``. The exit status is non-zero when
 anything failed.
 """
+
 from __future__ import annotations
 
 import os
 
 # Multicast (NVLS) stays off on the shared multi-GPU hosts, whatever the caller's environment.
-for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
+for _key, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ[_key] = _value
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # bitwise-reproducible matmuls across streams
 
@@ -66,8 +70,6 @@ except ImportError:  # a source checkout without PYTHONPATH=python
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
 from parallel_layers import (  # noqa: E402
     DenseMLPBlock,
     DPLinearBlock,
@@ -75,6 +77,7 @@ from parallel_layers import (  # noqa: E402
     TPMLPBlock,
     dense_linear_weights,
 )
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402, N817
 
 TESTS = ("tp_mlp", "tp_mlp_dropout", "ddp", "dp_ingraph")
 MiB = 1024.0 * 1024.0
@@ -156,8 +159,13 @@ def allocated(ctx: Ctx) -> float:
     return torch.cuda.memory_allocated(ctx.device) / MiB if ctx.cuda else 0.0
 
 
-def train(ctx: Ctx, model: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.nn.Parameter],
-          xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:
+def train(
+    ctx: Ctx,
+    model: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[float]]:
     """SGD steps; returns the losses (clones) and the wall time of each step in ms."""
     opt = torch.optim.SGD(params, lr=ctx.lr)
     losses, times = [], []
@@ -198,8 +206,13 @@ def ms(times: Sequence[float]) -> float:
     return float(statistics.median(times)) if times else float("nan")
 
 
-def timed(ctx: Ctx, model: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.nn.Parameter],
-          xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> float:
+def timed(
+    ctx: Ctx,
+    model: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+) -> float:
     """Median step time (ms) over ``ctx.timed_steps`` more steps (after the checked ones)."""
     n = ctx.timed_steps
     if n <= 0:
@@ -218,8 +231,9 @@ class Result(dict):
         return bool(ok)
 
 
-def graph(ctx: Ctx, res: Result, modules: Sequence[torch.nn.Module], samples: Sequence[torch.Tensor],
-          **kwargs: Any) -> None:
+def graph(
+    ctx: Ctx, res: Result, modules: Sequence[torch.nn.Module], samples: Sequence[torch.Tensor], **kwargs: Any
+) -> None:
     """make_graphed_callables on ``modules`` (one callable per layer, one shared pool), recording
     the time it took and the memory it kept."""
     sync(ctx)
@@ -233,8 +247,9 @@ def graph(ctx: Ctx, res: Result, modules: Sequence[torch.nn.Module], samples: Se
     res["graphed_callables"] = len(modules)
     res["graphs_captured"] = gograph.live_graphs() - graphs_before
     engines = {m.forward.engine.name for m in modules if isinstance(m.forward, gograph.GraphedCallable)}
-    res.check("graphed_on_" + ("cuda" if ctx.cuda else "eager") + "_engine",
-              engines == {"cuda" if ctx.cuda else "eager"})
+    res.check(
+        "graphed_on_" + ("cuda" if ctx.cuda else "eager") + "_engine", engines == {"cuda" if ctx.cuda else "eager"}
+    )
     if ctx.cuda:  # a forward and a backward graph per layer, captured by the Go core
         res.check("graphs_captured", res["graphs_captured"] == 2 * len(modules))
 
@@ -317,13 +332,12 @@ def test_tp(ctx: Ctx, res: Result, dropout: float) -> bool:
         res.check("tp_matches_dense_backward", res["tp_vs_dense_rel_err"][1] < 1e-3)
         del tp_ref, dense, out_tp, out_dense
 
-    blocks = list(graphed)[1:1 + s.layers]
+    blocks = list(graphed)[1 : 1 + s.layers]
     g = torch.Generator(device="cpu").manual_seed(9)
     samples = [torch.randn(s.batch, s.d, generator=g).to(ctx.device).requires_grad_(True) for _ in blocks]
     if tp_gen is not None:
         tp_gen.manual_seed(tp_seed(ctx.rank))
-    graph(ctx, res, blocks, samples, num_warmup_iters=3,
-          engine=engine_for(ctx, [tp_gen] if tp_gen is not None else ()))
+    graph(ctx, res, blocks, samples, num_warmup_iters=3, engine=engine_for(ctx, [tp_gen] if tp_gen is not None else ()))
     if ctx.cuda and tp_gen is not None:
         res.check("tp_generator_registered", tp_gen in blocks[0].forward.engine.generators)
 
@@ -346,7 +360,7 @@ def test_tp(ctx: Ctx, res: Result, dropout: float) -> bool:
         res.check("losses_change", not torch.equal(losses_g[0], losses_g[-1]))
     # Replicated parameters (embed, row-parallel biases, head) stay equal on every rank.
     replicated = [eager[0].weight, eager[0].bias, eager[-1].weight, eager[-1].bias]
-    replicated += [b.fc2.bias for b in list(eager)[1:1 + s.layers]]
+    replicated += [b.fc2.bias for b in list(eager)[1 : 1 + s.layers]]
     replicated_g = [graphed[0].weight, graphed[0].bias, graphed[-1].weight, graphed[-1].bias]
     replicated_g += [b.fc2.bias for b in blocks]
     res.check("replicated_params_in_sync", replicas_in_sync(ctx, replicated + replicated_g))
@@ -393,8 +407,7 @@ def test_ddp(ctx: Ctx, res: Result) -> bool:
     res.check("losses_bitwise_equal", bitwise_equal(losses_e, losses_g))
     res.check("params_bitwise_equal", bitwise_equal(list(eager.parameters()), list(graphed.parameters())))
     res.check("replicas_in_sync", replicas_in_sync(ctx, list(graphed.parameters())))
-    res.check("params_moved", not bitwise_equal(list(graphed.parameters()),
-                                                list(dp_model(ctx, MLPBlock).parameters())))
+    res.check("params_moved", not bitwise_equal(list(graphed.parameters()), list(dp_model(ctx, MLPBlock).parameters())))
     res["steps"] = len(losses_g)
     res["loss_first_last"] = [float(losses_g[0]), float(losses_g[-1])]
     res["eager_ms"] = timed(ctx, eager, list(eager.parameters()), xs, ys)
@@ -412,8 +425,7 @@ def test_dp_ingraph(ctx: Ctx, res: Result) -> bool:
     res.check("same_init", bitwise_equal(list(eager.parameters()), list(graphed.parameters())))
     blocks = list(graphed)
     g = torch.Generator(device="cpu").manual_seed(9)
-    samples = [torch.randn(s.batch, s.d, generator=g).to(ctx.device).requires_grad_(i > 0)
-               for i in range(len(blocks))]
+    samples = [torch.randn(s.batch, s.d, generator=g).to(ctx.device).requires_grad_(i > 0) for i in range(len(blocks))]
     engine = engine_for(ctx)
     graph(ctx, res, blocks, samples, num_warmup_iters=11, engine=engine)
 
@@ -457,9 +469,13 @@ def run_test(ctx: Ctx, name: str) -> Result:
     res["passed"] = res["error"] is None and bool(res.get("checks")) and all(res["checks"].values())
     failed = [k for k, v in res.get("checks", {}).items() if not v]
     # progress as it happens (the combined table comes at the end, after a gather)
-    print(f"[rank {ctx.rank}] {name}: {'ok' if res['passed'] else 'FAILED'} in {res['seconds']:.1f} s"
-          + (f"; failed checks: {', '.join(failed)}" if failed else "")
-          + (f"; error: {res['error']}" if res["error"] else ""), file=sys.stderr, flush=True)
+    print(
+        f"[rank {ctx.rank}] {name}: {'ok' if res['passed'] else 'FAILED'} in {res['seconds']:.1f} s"
+        + (f"; failed checks: {', '.join(failed)}" if failed else "")
+        + (f"; error: {res['error']}" if res["error"] else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     gc.collect()
     return res
 
@@ -504,9 +520,13 @@ def destroy_bounded(timeout: float) -> dict[str, Any]:
     th = threading.Thread(target=_destroy, name="destroy_process_group", daemon=True)
     th.start()
     returned = done.wait(timeout)
-    return {"destroy_returned": returned, "destroy_s": time.perf_counter() - t0,
-            "destroy_timeout_s": timeout, "destroy_error": box["error"],
-            "passed": returned and box["error"] is None}
+    return {
+        "destroy_returned": returned,
+        "destroy_s": time.perf_counter() - t0,
+        "destroy_timeout_s": timeout,
+        "destroy_error": box["error"],
+        "passed": returned and box["error"] is None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,8 +547,11 @@ def report(mode: str, per_test: list[list[dict[str, Any]]]) -> list[dict[str, An
         eager = statistics.fmean(r.get("eager_ms", float("nan")) for r in ranks)
         graphed = statistics.fmean(r.get("graphed_ms", float("nan")) for r in ranks)
         speed = eager / graphed if graphed and graphed == graphed and graphed > 0 else float("nan")
-        print(f"{'PASS' if passed else 'FAIL'} {name:<15} eager {eager:8.3f} ms/step  graphed {graphed:8.3f} ms/step  "
-              f"speedup {speed:5.2f}x", flush=True)
+        print(
+            f"{'PASS' if passed else 'FAIL'} {name:<15} eager {eager:8.3f} ms/step  graphed {graphed:8.3f} ms/step  "
+            f"speedup {speed:5.2f}x",
+            flush=True,
+        )
         for r in ranks:
             kept = r.get("graph_kept_mib")
             kept_s = f" graph+static kept {kept:.1f} MiB," if kept is not None and mode == "cuda" else ""
@@ -539,8 +562,9 @@ def report(mode: str, per_test: list[list[dict[str, Any]]]) -> list[dict[str, An
                 print(f"     rank {r['rank']} failed checks: {', '.join(failed)}", flush=True)
             if r.get("error"):
                 print(f"     rank {r['rank']} error: {r['error']}", flush=True)
-        summary.append({"name": name, "passed": passed, "eager_ms": eager, "graphed_ms": graphed,
-                        "speedup": speed, "ranks": ranks})
+        summary.append(
+            {"name": name, "passed": passed, "eager_ms": eager, "graphed_ms": graphed, "speedup": speed, "ranks": ranks}
+        )
     return summary
 
 
@@ -558,8 +582,9 @@ def wait_for_rank_files(out_dir: str, world: int, timeout: float) -> list[dict[s
                     pass  # being written: next round
         if len(found) < world:
             time.sleep(0.2)
-    return [found.get(r, {"rank": r, "passed": False, "error": "no teardown report from this rank"})
-            for r in range(world)]
+    return [
+        found.get(r, {"rank": r, "passed": False, "error": "no teardown report from this rank"}) for r in range(world)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,8 +630,16 @@ def setup(args: argparse.Namespace) -> Ctx:
         sizes = Sizes(batch=128, d_in=1024, d=1024, f=4096, d_out=1024, layers=4)
         mode = "cuda"
         timed_steps = 30 if args.timed_steps is None else args.timed_steps
-    return Ctx(mode=mode, rank=rank, world=world, local_rank=local_rank, device=device, steps=args.steps,
-               timed_steps=timed_steps, sizes=sizes)
+    return Ctx(
+        mode=mode,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        device=device,
+        steps=args.steps,
+        timed_steps=timed_steps,
+        sizes=sizes,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -626,12 +659,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx.graph_baseline = gograph.live_graphs()
 
     env = {
-        "mode": ctx.mode, "world_size": ctx.world, "python": platform.python_version(),
-        "torch": torch.__version__, "gograph": gograph.__version__, "core_flavor": gograph.core_flavor(),
-        "backend": dist.get_backend(), "sizes": ctx.sizes.__dict__, "steps": ctx.steps,
+        "mode": ctx.mode,
+        "world_size": ctx.world,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gograph": gograph.__version__,
+        "core_flavor": gograph.core_flavor(),
+        "backend": dist.get_backend(),
+        "sizes": ctx.sizes.__dict__,
+        "steps": ctx.steps,
         "timed_steps": ctx.timed_steps,
-        "nccl_env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                     "NVSHMEM_DISABLE_NVLS")},
+        "nccl_env": {
+            k: os.environ.get(k)
+            for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+        },
     }
     if ctx.cuda:
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -656,8 +697,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(mine, fh)
     os.replace(tmp, os.path.join(args.out_dir, f"teardown-rank{ctx.rank}.json"))
     if not destroy["passed"]:
-        why = (f"raised {destroy['destroy_error']}" if destroy["destroy_returned"]
-               else f"did not return within {args.destroy_timeout:.0f} s")
+        why = (
+            f"raised {destroy['destroy_error']}"
+            if destroy["destroy_returned"]
+            else f"did not return within {args.destroy_timeout:.0f} s"
+        )
         print(f"[rank {ctx.rank}] teardown: destroy_process_group {why}", file=sys.stderr, flush=True)
 
     ok = tests_ok and mine["passed"]
@@ -666,22 +710,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         # torchrun stops the other workers as soon as one exits non-zero: wait (bounded) until
         # rank 0 has written the summary, then leave with this rank's own status.
         deadline = time.monotonic() + args.destroy_timeout + 60
-        while time.monotonic() < deadline and not (os.path.exists(summary_path)
-                                                   and os.path.getmtime(summary_path) >= started):
+        while time.monotonic() < deadline and not (
+            os.path.exists(summary_path) and os.path.getmtime(summary_path) >= started
+        ):
             time.sleep(0.2)
     if ctx.rank == 0:
         teardown = wait_for_rank_files(args.out_dir, ctx.world, timeout=args.destroy_timeout + 30)
         td_ok = all(t.get("passed") for t in teardown)
-        print(f"{'PASS' if td_ok else 'FAIL'} {'teardown':<15} reset {[t.get('reset') for t in teardown]} graphed "
-              f"callables per rank, live graphs left {[t.get('live_graphs_left') for t in teardown]}, "
-              f"destroy_process_group {[round(t.get('destroy_s', -1), 2) for t in teardown]} s "
-              f"(limit {args.destroy_timeout:.0f} s)", flush=True)
+        print(
+            f"{'PASS' if td_ok else 'FAIL'} {'teardown':<15} reset {[t.get('reset') for t in teardown]} graphed "
+            f"callables per rank, live graphs left {[t.get('live_graphs_left') for t in teardown]}, "
+            f"destroy_process_group {[round(t.get('destroy_s', -1), 2) for t in teardown]} s "
+            f"(limit {args.destroy_timeout:.0f} s)",
+            flush=True,
+        )
         ok = tests_ok and td_ok
         n_pass = sum(1 for s in summary if s["passed"]) + (1 if td_ok else 0)
         n_fail = len(summary) + 1 - n_pass
-        doc = {"env": env, "tests": summary,
-               "teardown": {"name": "teardown", "passed": td_ok, "ranks": teardown},
-               "passed": ok, "n_passed": n_pass, "n_failed": n_fail}
+        doc = {
+            "env": env,
+            "tests": summary,
+            "teardown": {"name": "teardown", "passed": td_ok, "ranks": teardown},
+            "passed": ok,
+            "n_passed": n_pass,
+            "n_failed": n_fail,
+        }
         path = summary_path
         tmp = path + ".tmp"
         with open(tmp, "w") as fh:

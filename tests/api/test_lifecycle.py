@@ -1,4 +1,5 @@
 """Lifecycle of graphed callables: reset, finalizers, reference cycles, pool references."""
+
 from __future__ import annotations
 
 import gc
@@ -41,8 +42,9 @@ def test_backward_after_reset_raises():
 def test_reset_of_one_callable_leaves_the_others_working(eager_engine):
     m1, m2 = make_mlp(seed=1), make_mlp(seed=2, d_in=4)
     r2 = twin(m2)
-    g1, g2 = gograph.make_graphed_callables(
-        (m1, m2), ((torch.randn(2, 8),), (torch.randn(2, 4, requires_grad=True),)), engine=eager_engine)
+    _g1, _g2 = gograph.make_graphed_callables(
+        (m1, m2), ((torch.randn(2, 8),), (torch.randn(2, 4, requires_grad=True),)), engine=eager_engine
+    )
     pool = m1.forward.pool
     m1.reset()
     assert eager_engine.pool_refs(pool) == 2  # m2's two captures keep theirs

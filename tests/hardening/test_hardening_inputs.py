@@ -1,10 +1,10 @@
 """Hardening: user mistakes at make_graphed_callables and at replay come back as errors that say
 what was wrong and what to do, with no side effects (no pass, no pool reference, no replaced
 forward, generator state untouched). CPU (eager engine) unless marked ``cuda``."""
+
 from __future__ import annotations
 
 import gc
-
 import logging
 
 import pytest
@@ -85,8 +85,7 @@ def test_non_tensor_leaves_name_the_leaf_and_the_fix(bad):
 
 def test_non_tensor_leaf_inside_a_pytree():
     with pytest.raises(AssertionError, match=r"leaf 1 of the sample args of callable 1 .* is a str"):
-        mgc((lambda a: a * 2, lambda d: d["a"]),
-            ((torch.randn(2),), ({"a": torch.randn(2), "b": "label"},)))
+        mgc((lambda a: a * 2, lambda d: d["a"]), ((torch.randn(2),), ({"a": torch.randn(2), "b": "label"},)))
 
 
 def test_modules_mixing_train_and_eval_are_refused():
@@ -101,8 +100,10 @@ def test_modules_mixing_train_and_eval_are_refused():
     probe.check()
     # all eval, or all train, is fine; functions do not count
     m0.eval(), m2.eval()
-    mgc((m0, m1, lambda a: a * 2, m2),
-        ((torch.randn(2, 8),), (torch.randn(2, 4),), (torch.randn(2),), (torch.randn(2, 4),)))
+    mgc(
+        (m0, m1, lambda a: a * 2, m2),
+        ((torch.randn(2, 8),), (torch.randn(2, 4),), (torch.randn(2),), (torch.randn(2, 4),)),
+    )
     for m in (m0, m1, m2):
         m.reset()
 
@@ -119,6 +120,7 @@ def test_same_module_twice_is_refused():
 def test_same_function_twice_is_fine():
     def f(a):
         return a * 2
+
     g1, g2 = mgc((f, f), ((torch.randn(2),), (torch.randn(3),)))
     assert torch.equal(g1(torch.ones(2)), torch.full((2,), 2.0))
     assert torch.equal(g2(torch.ones(3)), torch.full((3,), 2.0))
@@ -212,7 +214,7 @@ def test_outputs_aliasing_inputs_keep_torch_semantics():
 
     m = ReturnsWeight()
     mgc(m, (torch.randn(1, 2),))
-    y, w = m(torch.randn(1, 2))
+    _y, w = m(torch.randn(1, 2))
     assert torch.equal(w, lin.weight.detach())
     m.reset()
 
@@ -250,13 +252,16 @@ def test_wrong_number_of_args():
         graphed_ab(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3))
 
 
-@pytest.mark.parametrize("bad, what", [
-    (torch.randn(3, 3), "shape (3, 3)"),
-    (torch.randn(2, 3, 1), "shape (2, 3, 1)"),
-    (torch.randn(1, 3), "shape (1, 3)"),  # would broadcast in copy_
-    (torch.randn(3), "shape (3,)"),  # would broadcast too
-    (torch.randn(2, 3, 1, dtype=torch.float64), "shape (2, 3, 1)"),  # a cast does not help a shape
-])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        (torch.randn(3, 3), "shape (3, 3)"),
+        (torch.randn(2, 3, 1), "shape (2, 3, 1)"),
+        (torch.randn(1, 3), "shape (1, 3)"),  # would broadcast in copy_
+        (torch.randn(3), "shape (3,)"),  # would broadcast too
+        (torch.randn(2, 3, 1, dtype=torch.float64), "shape (2, 3, 1)"),  # a cast does not help a shape
+    ],
+)
 def test_shape_mismatch_is_refused_not_broadcast(bad, what):
     graphed_ab = _graphed_ab()
     static = graphed_ab.static_input_surface[1].clone()
@@ -425,8 +430,9 @@ def test_make_graphed_callables_inside_a_capture_is_refused(eager_engine):
         mgc(lambda b: b * 2, (a,), engine=eager_engine)
         return a * 2
 
-    with pytest.raises(RuntimeError, match="forward capture.*make_graphed_callables was called while a CUDA "
-                                           "graph capture is underway"):
+    with pytest.raises(
+        RuntimeError, match="forward capture.*make_graphed_callables was called while a CUDA graph capture is underway"
+    ):
         mgc(builds_inside, (x,), num_warmup_iters=0, engine=eager_engine)
     probe.check()
 
@@ -480,8 +486,11 @@ def test_capture_state_is_per_thread(eager_engine):
 def test_cpu_sample_args_for_the_cuda_engine_are_refused(cuda_device):
     a, b = torch.randn(2, device=cuda_device), torch.randn(2)
     probe = _NoSideEffects()
-    with pytest.raises(ValueError, match=r"sample arg leaf 1 of callable 0 .* is on cpu, but the CUDA engine "
-                                         r"captures on cuda:\d"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample arg leaf 1 of callable 0 .* is on cpu, but the CUDA engine "
+        r"captures on cuda:\d",
+    ):
         mgc(lambda a, b: a * b, (a, b))
     with pytest.raises(ValueError, match="is on cpu, but the CUDA engine"):
         mgc(lambda a: a * 2, (b,), engine="cuda")
@@ -512,8 +521,9 @@ def test_sample_args_on_another_gpu_are_refused(cuda_device):
 @pytest.mark.cuda
 def test_replay_with_cpu_or_other_gpu_tensor_is_refused(cuda_device):
     g = mgc(lambda a: a * 2, (torch.randn(4, device=cuda_device),))
-    with pytest.raises(gograph.StaticInputMismatchError, match="device cpu, but the graph was captured with .* "
-                                                               "device cuda"):
+    with pytest.raises(
+        gograph.StaticInputMismatchError, match="device cpu, but the graph was captured with .* device cuda"
+    ):
         g(torch.randn(4))
     if torch.cuda.device_count() > 1:
         other = torch.device("cuda", 1 - cuda_device.index if cuda_device.index in (0, 1) else 0)

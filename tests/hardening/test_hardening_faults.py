@@ -5,6 +5,7 @@ can then graph the same model successfully.
 
 The eager-engine tests run everywhere; the ``cuda`` tests need a GPU and also check device
 memory, capture status and RNG companion cleanup (illegal syncs, OOM inside capture)."""
+
 from __future__ import annotations
 
 import gc
@@ -28,8 +29,15 @@ class FaultyLayer(torch.nn.Module):
     """A small layer whose forward or backward raises on a chosen call (1-based), counting calls
     so a test can aim at warmup (calls 1..warmup) or capture (call warmup+1)."""
 
-    def __init__(self, d: int = 8, seed: int = 0, fail_fwd_at: int = 0, fail_bwd_at: int = 0,
-                 exc: type[BaseException] = Fault, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        d: int = 8,
+        seed: int = 0,
+        fail_fwd_at: int = 0,
+        fail_bwd_at: int = 0,
+        exc: type[BaseException] = Fault,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.lin = torch.nn.Linear(d, d, device=device)
@@ -94,15 +102,21 @@ class _State:
 
 def _hook_counts(modules: list[torch.nn.Module]) -> list[tuple[int, ...]]:
     """Hooks of every module and submodule (gograph's warmup registers temporary ones)."""
-    return [(len(s._forward_hooks), len(s._forward_pre_hooks), len(s._backward_hooks),
-             len(s._backward_pre_hooks)) for m in modules for s in m.modules()]
+    return [
+        (len(s._forward_hooks), len(s._forward_pre_hooks), len(s._backward_hooks), len(s._backward_pre_hooks))
+        for m in modules
+        for s in m.modules()
+    ]
 
 
 def _global_hook_counts() -> tuple[int, ...]:
     from torch.nn.modules import module as M
 
-    return tuple(len(getattr(M, n)) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                              "_global_backward_hooks") if hasattr(M, n))
+    return tuple(
+        len(getattr(M, n))
+        for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+        if hasattr(M, n)
+    )
 
 
 def _layers(n: int, target: int, **fault) -> list[FaultyLayer]:
@@ -139,13 +153,16 @@ WARMUP = 2
 
 
 @pytest.mark.parametrize("target", [0, 2])
-@pytest.mark.parametrize("fault, phase", [
-    (dict(fail_fwd_at=1), "warmup"),
-    (dict(fail_fwd_at=WARMUP), "warmup"),
-    (dict(fail_bwd_at=1), "warmup"),  # the warmup's backward
-    (dict(fail_fwd_at=WARMUP + 1), "forward capture"),
-    (dict(fail_bwd_at=WARMUP + 1), "backward capture"),
-])
+@pytest.mark.parametrize(
+    "fault, phase",
+    [
+        (dict(fail_fwd_at=1), "warmup"),
+        (dict(fail_fwd_at=WARMUP), "warmup"),
+        (dict(fail_bwd_at=1), "warmup"),  # the warmup's backward
+        (dict(fail_fwd_at=WARMUP + 1), "forward capture"),
+        (dict(fail_bwd_at=WARMUP + 1), "backward capture"),
+    ],
+)
 def test_fault_in_callable_rolls_back_everything(target, fault, phase):
     engine = EagerEngine()
     pool = gograph.graph_pool_handle()
@@ -208,14 +225,17 @@ class FaultyEngine(EagerEngine):
         self._tick("synchronize")
 
 
-@pytest.mark.parametrize("fail, phase", [
-    ({"new_pass": 3}, "setup"),
-    ({"capture0": 2}, "forward capture"),
-    ({"capture1": 3}, "backward capture"),
-    ({"seal": 2}, "seal"),
-    ({"synchronize": 1}, "warmup"),
-    ({"synchronize": 2}, "seal"),
-])
+@pytest.mark.parametrize(
+    "fail, phase",
+    [
+        ({"new_pass": 3}, "setup"),
+        ({"capture0": 2}, "forward capture"),
+        ({"capture1": 3}, "backward capture"),
+        ({"seal": 2}, "seal"),
+        ({"synchronize": 1}, "warmup"),
+        ({"synchronize": 2}, "seal"),
+    ],
+)
 def test_engine_step_failure_rolls_back(fail, phase):
     engine = FaultyEngine(fail)
     pool = gograph.graph_pool_handle()
@@ -386,12 +406,15 @@ def warm_cuda(cuda_device):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("target", [0, 2])
-@pytest.mark.parametrize("fault, phase", [
-    (dict(fail_fwd_at=1), "warmup"),
-    (dict(fail_bwd_at=1), "warmup"),
-    (dict(fail_fwd_at=WARMUP + 1), "forward capture"),
-    (dict(fail_bwd_at=WARMUP + 1), "backward capture"),
-])
+@pytest.mark.parametrize(
+    "fault, phase",
+    [
+        (dict(fail_fwd_at=1), "warmup"),
+        (dict(fail_bwd_at=1), "warmup"),
+        (dict(fail_fwd_at=WARMUP + 1), "forward capture"),
+        (dict(fail_bwd_at=WARMUP + 1), "backward capture"),
+    ],
+)
 def test_cuda_fault_in_callable_rolls_back_everything(warm_cuda, target, fault, phase):
     dev = warm_cuda
     layers = [FaultyLayer(seed=i, device=dev, **(fault if i == target else {})) for i in range(3)]
@@ -417,6 +440,7 @@ def _sync_fault(kind: str):
             y.cpu()
         elif kind == "nonzero":
             torch.nonzero(y)  # data-dependent shape: syncs
+
     return fault
 
 
@@ -595,8 +619,11 @@ def test_cuda_reset_that_fails_to_destroy_still_releases_the_pool(warm_cuda, mon
     m = FaultyLayer(device=dev)
     mgc(m, (x,))
     m(x).sum().backward()
-    monkeypatch.setattr(gograph._core, "pass_reset_error",
-                        lambda pass_id: f"graphed callable 0: destroying its forward graph: injected failure")
+    monkeypatch.setattr(
+        gograph._core,
+        "pass_reset_error",
+        lambda pass_id: "graphed callable 0: destroying its forward graph: injected failure",
+    )
     with pytest.raises(RuntimeError, match="injected failure"):
         m.reset()
     monkeypatch.undo()

@@ -1,7 +1,8 @@
 """TransformerEngine extensions on the CUDA engine: what only a GPU shows (replay on a side
 stream, pool memory handed back by buffer reuse, separate weight-gradient graphs). The schedule,
-kwargs, hooks and validation tests of tests/test_te_schedule.py also run here, parametrized
+kwargs, hooks and validation tests of tests/te/test_te_schedule.py also run here, parametrized
 with a ``cuda`` device."""
+
 from __future__ import annotations
 
 import copy
@@ -26,7 +27,7 @@ def test_replay_on_cuda_graph_stream(cuda_device: torch.device) -> None:
     x = torch.randn(32, 64, device=cuda_device, requires_grad=True)
     gograph.make_graphed_callables(mod, (x,))
     side = torch.cuda.Stream(cuda_device)
-    for it in range(3):
+    for _it in range(3):
         xv = torch.randn(32, 64, device=cuda_device)
         dy = torch.randn(32, 64, device=cuda_device)
         xr, xg = xv.clone().requires_grad_(), xv.clone().requires_grad_()
@@ -54,8 +55,9 @@ def _retained_bytes(device: torch.device, reuse: bool) -> tuple[int, int]:
     base = torch.cuda.memory_allocated(device)
     mods = tuple(Block(512, seed=i).to(device) for i in range(2))
     samples = tuple((torch.randn(1024, 512, device=device, requires_grad=True),) for _ in range(6))
-    graphed = gograph.make_graphed_callables(mods, samples, num_warmup_iters=1, _order=ORDER_2x1x3,
-                                             _reuse_graph_input_output_buffers=reuse)
+    graphed = gograph.make_graphed_callables(
+        mods, samples, num_warmup_iters=1, _order=ORDER_2x1x3, _reuse_graph_input_output_buffers=reuse
+    )
     del samples
     gc.collect()
     torch.cuda.synchronize(device)

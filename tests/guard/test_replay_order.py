@@ -5,6 +5,7 @@ the Go core refuses (RuntimeError, naming both graphed callables) the first repl
 overwrite memory another pass still needs. The rule's table tests are in Go
 (internal/state/order_test.go); these check the wiring end to end.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -98,8 +99,8 @@ def test_out_of_order_forward_raises_naming_both_callables():
         mods[0](x + 1)  # its forward was captured before callable 1's: may overwrite its activations
     assert static_in._version == version, "a refused replay wrote the static input"
     msg = str(info.value)
-    assert "replay order" in msg and "forward of graphed callable 0 (\"Sequential\"" in msg
-    assert "graphed callable 1 (\"Sequential\"" in msg and "backward has not run since" in msg
+    assert "replay order" in msg and 'forward of graphed callable 0 ("Sequential"' in msg
+    assert 'graphed callable 1 ("Sequential"' in msg and "backward has not run since" in msg
     # The refused replay changed nothing: finishing the step in order works, and so does training.
     h.square().mean().backward()
     assert _open(mods[0]) == ""
@@ -167,8 +168,9 @@ def test_separate_calls_sharing_a_pool_follow_the_shared_capture_order():
     a, b = _layers(2)
     x = torch.randn(4, 8, requires_grad=True)
     for m in (a, b):
-        gograph.make_graphed_callables(m, (torch.randn(4, 8, requires_grad=True),), pool=pool,
-                                       engine="eager", debug_replay_order=True)
+        gograph.make_graphed_callables(
+            m, (torch.randn(4, 8, requires_grad=True),), pool=pool, engine="eager", debug_replay_order=True
+        )
     seq = _native.core.capture_seq
     assert [seq(a.forward.pass_id, 0), seq(a.forward.pass_id, 1), seq(b.forward.pass_id, 0)] == [1, 2, 3]
     # The order they were captured in is fine ...
@@ -196,12 +198,13 @@ def test_reset_pass_leaves_the_guard():
     mods[1](mods[0](x))
     assert "pass" in _open(mods[0])
     mods[1].reset()
-    assert "\"Sequential\", pass %d" % mods[1].forward.pass_id not in _open(mods[0])
+    assert f'"Sequential", pass {mods[1].forward.pass_id}' not in _open(mods[0])
 
 
 def test_functions_and_single_module():
-    f = gograph.make_graphed_callables(lambda t: (t * 2).sin(), (torch.randn(3, requires_grad=True),),
-                                       engine="eager", debug_replay_order=True)
+    f = gograph.make_graphed_callables(
+        lambda t: (t * 2).sin(), (torch.randn(3, requires_grad=True),), engine="eager", debug_replay_order=True
+    )
     for _ in range(3):
         f(torch.randn(3, requires_grad=True)).sum().backward()
     with torch.no_grad():
@@ -219,9 +222,14 @@ def test_pipeline_schedule_replayed_in_capture_order_passes_and_deviation_is_ref
     layers, micro, d = [1, 1], 3, 6
     blocks = [Block(d, seed=s) for s in range(2)]
     samples = [(torch.randn(2, d, requires_grad=True),) for _ in range(2 * micro)]
-    graphed = gograph.make_graphed_callables(tuple(blocks), tuple(samples), _order=order,
-                                             _num_layers_per_chunk=layers, engine="eager",
-                                             debug_replay_order=True)
+    graphed = gograph.make_graphed_callables(
+        tuple(blocks),
+        tuple(samples),
+        _order=order,
+        _num_layers_per_chunk=layers,
+        engine="eager",
+        debug_replay_order=True,
+    )
     g = torch.Generator().manual_seed(0)
     inputs = {(c, m): torch.randn(2, d, generator=g, requires_grad=True) for c in range(2) for m in range(micro)}
     dys = {(c, m): torch.randn(2, d, generator=g) for c in range(2) for m in range(micro)}

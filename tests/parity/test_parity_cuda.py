@@ -1,6 +1,7 @@
 """torch.cuda.make_graphed_callables parity on the GPU (marker ``cuda``): multi-callable training
 with dict inputs and dropout, AMP, shared pools, RNG state, release points measured on
 torch.cuda.memory_allocated."""
+
 from __future__ import annotations
 
 import gc
@@ -35,12 +36,14 @@ def test_dict_inputs_dropout_relu_mse_ten_steps_bitwise_equal(cuda_device, no_tf
     h = torch.randn(32, 64, device=cuda_device, requires_grad=True)
     gograph.make_graphed_callables((head, tail), (sample, (h,)))
     g = torch.Generator(device="cpu").manual_seed(5)
-    data = [tuple(torch.randn(*s, generator=g).to(cuda_device) for s in ((32, 64), (32, 64), (32, 16)))
-            for _ in range(10)]
+    data = [
+        tuple(torch.randn(*s, generator=g).to(cuda_device) for s in ((32, 64), (32, 64), (32, 16))) for _ in range(10)
+    ]
     _train_blocks(head, tail, data, seed=123)
     _train_blocks(ref_head, ref_tail, data, seed=123)
-    for p, q in zip(list(head.parameters()) + list(tail.parameters()),
-                    list(ref_head.parameters()) + list(ref_tail.parameters())):
+    for p, q in zip(
+        list(head.parameters()) + list(tail.parameters()), list(ref_head.parameters()) + list(ref_tail.parameters())
+    ):
         assert torch.equal(p, q)
     head.reset()
     tail.reset()

@@ -1,4 +1,5 @@
 """examples/pipeline_example.py runs: on the CPU eager engine here, on the GPU with the marker."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "pipeline_example.py")
 
 

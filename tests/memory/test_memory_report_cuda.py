@@ -5,6 +5,7 @@ deltas across ``make_graphed_callables`` and ``reset``, and the pool's segments 
 ``torch.cuda.memory_snapshot()``. Tensors are MiB-sized so that the allocator's 512-byte rounding
 stays far below the tolerances.
 """
+
 from __future__ import annotations
 
 import gc

@@ -6,6 +6,7 @@ _num_layers_per_chunk) with and without buffer reuse trained for 3 SGD iteration
 bitwise with eager execution; sample_kwargs; capture-time and warmup hooks; delayed weight
 gradients through the generic need_backward_dw()/backward_dw() protocol; validation errors.
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,16 @@ def _assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> N
         assert torch.equal(a, b), f"{what} differs: max |diff| {(a - b).abs().max().item()}"
 
 
-def _train_pipeline(device: str, order: list[float], layers: list[int], microbatches: int, reuse: bool,
-                    chain: bool, make_layer: Any = Block, iters: int = 3) -> tuple[Any, ...]:
+def _train_pipeline(
+    device: str,
+    order: list[float],
+    layers: list[int],
+    microbatches: int,
+    reuse: bool,
+    chain: bool,
+    make_layer: Any = Block,
+    iters: int = 3,
+) -> tuple[Any, ...]:
     """Trains a ref (eager) and a graphed copy of the same layers through ``order`` for
     ``iters`` SGD iterations and checks outputs, input grads, params and grads bitwise."""
     n = sum(layers)
@@ -60,8 +69,14 @@ def _train_pipeline(device: str, order: list[float], layers: list[int], microbat
     init_grads(*ref, *mods)
     samples = tuple((torch.randn(ROWS, FEATURES, device=device, requires_grad=True),) for _ in range(n * microbatches))
     graphed = gograph.make_graphed_callables(
-        tuple(mods), samples, num_warmup_iters=2, allow_unused_input=True, _order=order,
-        _num_layers_per_chunk=layers, _reuse_graph_input_output_buffers=reuse)
+        tuple(mods),
+        samples,
+        num_warmup_iters=2,
+        allow_unused_input=True,
+        _order=order,
+        _num_layers_per_chunk=layers,
+        _reuse_graph_input_output_buffers=reuse,
+    )
     assert isinstance(graphed, tuple) and len(graphed) == n * microbatches
     assert all(isinstance(g, gograph.GraphedCallable) for g in graphed)
     assert all(m.forward.__func__ is type(m).forward for m in mods)  # modules keep their forward
@@ -82,10 +97,28 @@ def _train_pipeline(device: str, order: list[float], layers: list[int], microbat
         opt_g.zero_grad(set_to_none=False)
         grads_ref: dict[tuple[int, int], torch.Tensor] = {}
         grads_g: dict[tuple[int, int], torch.Tensor] = {}
-        out_ref = run_pipeline(order, layers, microbatches, lambda p, x: ref[callable_of[p]](x), inputs_ref, dys, chain,
-                               wgrad=lambda p: ref[callable_of[p]].backward_dw(), grads=grads_ref)
-        out_g = run_pipeline(order, layers, microbatches, lambda p, x: graphed[p](x), inputs_g, dys, chain,
-                             wgrad=lambda p: graphed[p].backward_dw(), grads=grads_g)
+        out_ref = run_pipeline(
+            order,
+            layers,
+            microbatches,
+            lambda p, x: ref[callable_of[p]](x),
+            inputs_ref,
+            dys,
+            chain,
+            wgrad=lambda p: ref[callable_of[p]].backward_dw(),
+            grads=grads_ref,
+        )
+        out_g = run_pipeline(
+            order,
+            layers,
+            microbatches,
+            lambda p, x: graphed[p](x),
+            inputs_g,
+            dys,
+            chain,
+            wgrad=lambda p: graphed[p].backward_dw(),
+            grads=grads_g,
+        )
         opt_ref.step()
         opt_g.step()
         for k in out_ref:
@@ -111,7 +144,7 @@ def test_interleaved_2_chunks_1_layer_3_microbatches(device: str, reuse: bool) -
         assert all(g.buffer_reuse is stats for g in graphed)
         # 4 microbatch-chunks live at once (after 1, 2, 1, 2) plus one grad output buffer,
         # of 6 inputs + 6 grad outputs; TransformerEngine's FIFO keeps 4 + 1 too.
-        (sig, counts), = stats.signatures.items()
+        ((sig, counts),) = stats.signatures.items()
         assert sig.startswith(f"[{ROWS}, {FEATURES}] float32")
         assert counts == {"buffers": 12, "slots": 5, "te_fifo": 5}
         assert (stats.slots, stats.te_fifo, stats.buffers) == (5, 5, 12)
@@ -145,8 +178,9 @@ def test_layers_inferred_and_int(device: str) -> None:
     for layers_arg in (None, 2):
         mods = [Block(FEATURES, seed=i).to(device) for i in range(4)]
         samples = tuple((torch.randn(ROWS, FEATURES, device=device, requires_grad=True),) for _ in range(8))
-        graphed = gograph.make_graphed_callables(tuple(mods), samples, _order=ORDER_2x2x2,
-                                                 _num_layers_per_chunk=layers_arg, num_warmup_iters=1)
+        graphed = gograph.make_graphed_callables(
+            tuple(mods), samples, _order=ORDER_2x2x2, _num_layers_per_chunk=layers_arg, num_warmup_iters=1
+        )
         assert len(graphed) == 8
         # TE's indexing: pass prefix[c]*M + m*L + l runs callable prefix[c] + l.
         assert [g.module for g in graphed] == [mods[i] for i in _callable_of([2, 2], 2)]
@@ -186,8 +220,10 @@ def test_sample_kwargs(device: str) -> None:
     assert gc.static_input_surface[2] is scale
     for it in range(3):
         g = torch.Generator().manual_seed(it)
-        xv, bv, sv, dy = (torch.randn(s, generator=g).to(device) for s in
-                          ((ROWS, FEATURES), (ROWS, FEATURES), (FEATURES,), (ROWS, FEATURES)))
+        xv, bv, sv, dy = (
+            torch.randn(s, generator=g).to(device)
+            for s in ((ROWS, FEATURES), (ROWS, FEATURES), (FEATURES,), (ROWS, FEATURES))
+        )
         xr, xg = xv.clone().requires_grad_(), xv.clone().requires_grad_()
         out_r = ref(xr, scale=sv, bias=bv)
         out_g = graphed(xg, scale=sv, bias=bv)
@@ -213,8 +249,9 @@ def test_sample_kwargs_with_order(device: str) -> None:
     mod = copy.deepcopy(ref)
     samples = tuple((torch.randn(ROWS, FEATURES, device=device, requires_grad=True),) for _ in range(2))
     kwargs = tuple({"scale": torch.randn(FEATURES, device=device)} for _ in range(2))
-    graphed = gograph.make_graphed_callables((mod,), samples, sample_kwargs=kwargs, _order=[1, -1, 1, -1],
-                                             _reuse_graph_input_output_buffers=True)
+    graphed = gograph.make_graphed_callables(
+        (mod,), samples, sample_kwargs=kwargs, _order=[1, -1, 1, -1], _reuse_graph_input_output_buffers=True
+    )
     for m in range(2):
         sv = torch.randn(FEATURES, device=device)
         xv = torch.randn(ROWS, FEATURES, device=device)
@@ -237,8 +274,14 @@ def test_fewer_slots_than_te_fifo() -> None:
     mods = (ScaledBlock(FEATURES, seed=0), ScaledBlock(FEATURES, seed=1))
     samples = tuple((torch.randn(ROWS, FEATURES, requires_grad=True),) for _ in range(2))
     kwargs = ({"scale": torch.randn(FEATURES), "bias": torch.randn(ROWS, FEATURES)}, {"scale": torch.randn(FEATURES)})
-    graphed = gograph.make_graphed_callables(mods, samples, sample_kwargs=kwargs, _order=[1, -1, 2, -2],
-                                             _num_layers_per_chunk=[1, 1], _reuse_graph_input_output_buffers=True)
+    graphed = gograph.make_graphed_callables(
+        mods,
+        samples,
+        sample_kwargs=kwargs,
+        _order=[1, -1, 2, -2],
+        _num_layers_per_chunk=[1, 1],
+        _reuse_graph_input_output_buffers=True,
+    )
     sig = f"[{ROWS}, {FEATURES}] float32 cpu"
     counts = graphed[0].buffer_reuse.signatures[sig]
     # x of both passes, chunk 1's bias and both grad outputs: 5 buffers; x/bias/dy of chunk 1
@@ -266,7 +309,9 @@ def test_capture_time_hooks_order_and_semantics(device: str) -> None:
             def hook(module: Any, *args: Any) -> None:
                 assert isinstance(module, Block)
                 events.append((kind, i, _capturing()))
+
             return hook
+
         return {
             "forward_pre_hooks": {0: rec("fwd_pre")},
             "forward_hooks": {0: rec("fwd")},
@@ -277,14 +322,26 @@ def test_capture_time_hooks_order_and_semantics(device: str) -> None:
     mods = tuple(Block(FEATURES, seed=i).to(device) for i in range(3))
     samples = tuple((torch.randn(ROWS, FEATURES, device=device, requires_grad=True),) for _ in range(3))
     gograph.make_graphed_callables(
-        mods, samples, num_warmup_iters=2, capture_time_hooks=[hooks_for(0), None, hooks_for(2)],
+        mods,
+        samples,
+        num_warmup_iters=2,
+        capture_time_hooks=[hooks_for(0), None, hooks_for(2)],
         pre_warmup_hook=lambda: events.append(("pre_warmup",)),
-        post_warmup_hook=lambda: events.append(("post_warmup",)))
+        post_warmup_hook=lambda: events.append(("post_warmup",)),
+    )
     assert not any(e[-1] for e in events if len(e) == 3), "a hook ran inside a capture"
-    one = [("fwd_pre", 0), ("fwd", 0), ("fwd_pre", 2), ("fwd", 2), ("bwd_pre", 2), ("bwd", 2),
-           ("bwd_pre", 0), ("bwd", 0)]  # forwards 0..n, then backwards n..0
+    one = [
+        ("fwd_pre", 0),
+        ("fwd", 0),
+        ("fwd_pre", 2),
+        ("fwd", 2),
+        ("bwd_pre", 2),
+        ("bwd", 2),
+        ("bwd_pre", 0),
+        ("bwd", 0),
+    ]  # forwards 0..n, then backwards n..0
     got = [e[:2] if len(e) == 3 else e for e in events]
-    assert got == [("pre_warmup",)] + one + one + [("post_warmup",)] + one  # 2 warmups, then capture
+    assert got == [("pre_warmup",), *one, *one, ("post_warmup",), *one]  # 2 warmups, then capture
     events.clear()
     mods[2](mods[1](mods[0](samples[0][0]))).sum().backward()  # replays run no hooks
     assert events == []
@@ -299,13 +356,20 @@ def test_capture_time_hooks_follow_transformer_engines_protocol(device: str) -> 
     seen: list[Any] = []
     mod = ScaledBlock(FEATURES, seed=0).to(device)
     scale = torch.randn(FEATURES, device=device)
-    hooks = [{
-        "forward_pre_hooks": {"a": lambda m: seen.append(("pre", type(m).__name__))},
-        "forward_hooks": {"b": lambda m: seen.append(("fwd", m is mod))},
-        "backward_pre_hooks": None,  # None entries are allowed, as in TE
-    }]
-    gograph.make_graphed_callables(mod, (torch.randn(ROWS, FEATURES, device=device, requires_grad=True),),
-                                   sample_kwargs={"scale": scale}, num_warmup_iters=1, capture_time_hooks=hooks)
+    hooks = [
+        {
+            "forward_pre_hooks": {"a": lambda m: seen.append(("pre", type(m).__name__))},
+            "forward_hooks": {"b": lambda m: seen.append(("fwd", m is mod))},
+            "backward_pre_hooks": None,  # None entries are allowed, as in TE
+        }
+    ]
+    gograph.make_graphed_callables(
+        mod,
+        (torch.randn(ROWS, FEATURES, device=device, requires_grad=True),),
+        sample_kwargs={"scale": scale},
+        num_warmup_iters=1,
+        capture_time_hooks=hooks,
+    )
     assert seen == [("pre", "ScaledBlock"), ("fwd", True)] * 2  # one warmup, one capture
     mod.reset()
 
@@ -318,9 +382,21 @@ def test_capture_time_hook_validation() -> None:
         ([[], None], TypeError, r"capture_time_hooks\[0\] must be a dict or None, got list"),
         ([{"bogus": {}}, None], ValueError, r"Found unexpected keys in capture_time_hooks \(\{'bogus'\}\)"),
         ([{"forward_pre_hooks_with_kwargs": {}}, None], ValueError, "Found unexpected keys"),
-        ([None, {"forward_hooks": []}], TypeError, r"capture_time_hooks\[1\]\['forward_hooks'\] must be a dict of hook functions"),
-        ([{"forward_hooks": {0: lambda m: m}}, None], RuntimeError, r"capture_time_hooks forward_hooks must not return a value\.$"),
-        ([{"backward_pre_hooks": {0: lambda m: 1}}, None], RuntimeError, "capture_time_hooks backward_pre_hooks must not return a value"),
+        (
+            [None, {"forward_hooks": []}],
+            TypeError,
+            r"capture_time_hooks\[1\]\['forward_hooks'\] must be a dict of hook functions",
+        ),
+        (
+            [{"forward_hooks": {0: lambda m: m}}, None],
+            RuntimeError,
+            r"capture_time_hooks forward_hooks must not return a value\.$",
+        ),
+        (
+            [{"backward_pre_hooks": {0: lambda m: 1}}, None],
+            RuntimeError,
+            "capture_time_hooks backward_pre_hooks must not return a value",
+        ),
     ]
     for hooks, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -337,9 +413,12 @@ def test_post_warmup_hook_runs_when_warmup_fails() -> None:
 
     with pytest.raises(KeyError, match="hook failed"):
         gograph.make_graphed_callables(
-            Block(FEATURES, 0), (torch.randn(ROWS, FEATURES, requires_grad=True),),
+            Block(FEATURES, 0),
+            (torch.randn(ROWS, FEATURES, requires_grad=True),),
             capture_time_hooks=[{"forward_pre_hooks": {0: boom}}],
-            pre_warmup_hook=lambda: calls.append("pre"), post_warmup_hook=lambda: calls.append("post"))
+            pre_warmup_hook=lambda: calls.append("pre"),
+            post_warmup_hook=lambda: calls.append("post"),
+        )
     assert calls == ["pre", "post"]
 
 
@@ -432,16 +511,19 @@ class _PlainProtocol:
         pass
 
 
-@pytest.mark.parametrize("make, expected", [
-    (lambda: _WithProtocol(2, 2), True),
-    (_instance_protocol, True),
-    (lambda: torch.nn.Linear(2, 2), False),
-    (_half_protocol, False),
-    (_non_callable_protocol, False),
-    (_PlainProtocol, True),
-    (lambda: (lambda: None), False),
-], ids=["class-methods", "instance-methods", "none", "only-backward_dw", "non-callable", "plain-object",
-        "function"])
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: _WithProtocol(2, 2), True),
+        (_instance_protocol, True),
+        (lambda: torch.nn.Linear(2, 2), False),
+        (_half_protocol, False),
+        (_non_callable_protocol, False),
+        (_PlainProtocol, True),
+        (lambda: lambda: None, False),
+    ],
+    ids=["class-methods", "instance-methods", "none", "only-backward_dw", "non-callable", "plain-object", "function"],
+)
 def test_wgrad_protocol_detection(make: Any, expected: bool) -> None:
     obj = make()
     assert _te.has_wgrad_protocol(obj) is expected
@@ -481,44 +563,84 @@ def _samples(n: int) -> tuple[tuple[torch.Tensor], ...]:
     return tuple((torch.randn(ROWS, FEATURES, requires_grad=True),) for _ in range(n))
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(_order=[-1, 1, 2, -2]), ValueError, r"_order entry 0 \(-1\): backward of chunk 1, microbatch 0, comes before its forward"),
-    (dict(_order=[1, 2, -2, -1], num_warmup_iters=0), ValueError, r"num_warmup_iters=0 with _order"),
-    (dict(_order=[1, 2, -2, True]), TypeError, r"_order entry 3 \(True\) is a bool"),
-    (dict(_order=[1, 2, -2, -1.25], _num_layers_per_chunk=[1, 1]), ValueError, r"entry 3 \(-1.25\): a weight-gradient entry must be exactly -\(c\+0.5\)"),
-    (dict(_order=[1, 2, -2, -1, -1.5], _num_layers_per_chunk=[1, 1]), ValueError, r"_order entry 4 \(-1.5\): a weight-gradient entry for pass 0 .* no submodule"),
-    (dict(_order=[1, 2, -2, -1, -1.5]), ValueError, r"entry 4 \(-1.5\): weight-gradient entries need _num_layers_per_chunk"),
-    (dict(_order=[1, 2, -2, -1], _num_layers_per_chunk=[1]), ValueError, r"_num_layers_per_chunk has 1 entries but _order has 2 chunks"),
-    (dict(_order=[1, 2, -2]), ValueError, "dimension mismatch"),
-    (dict(_order=[1, 2, -2, -1], sample_kwargs=({},)), ValueError,
-     "Pipeline-parallel schedule requires sample_kwargs and sample_args to have the same length, but got 1 sample_kwargs for 2 sample_args"),
-    (dict(sample_kwargs=({},)), ValueError,
-     "Expected sample_kwargs to have the same length as callables, but got 1 sample_kwargs for 2 callables"),
-    (dict(sample_kwargs=({"x": 3}, {})), AssertionError, r"leaf 1 of the sample_kwargs of callable 0 .* is a int"),
-    (dict(_reuse_graph_input_output_buffers=True), ValueError, "`_order` must be provided when `_reuse_graph_input_output_buffers` is True."),
-    (dict(retain_graph_in_backward="yes"), TypeError, "retain_graph_in_backward must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (
+            dict(_order=[-1, 1, 2, -2]),
+            ValueError,
+            r"_order entry 0 \(-1\): backward of chunk 1, microbatch 0, comes before its forward",
+        ),
+        (dict(_order=[1, 2, -2, -1], num_warmup_iters=0), ValueError, r"num_warmup_iters=0 with _order"),
+        (dict(_order=[1, 2, -2, True]), TypeError, r"_order entry 3 \(True\) is a bool"),
+        (
+            dict(_order=[1, 2, -2, -1.25], _num_layers_per_chunk=[1, 1]),
+            ValueError,
+            r"entry 3 \(-1.25\): a weight-gradient entry must be exactly -\(c\+0.5\)",
+        ),
+        (
+            dict(_order=[1, 2, -2, -1, -1.5], _num_layers_per_chunk=[1, 1]),
+            ValueError,
+            r"_order entry 4 \(-1.5\): a weight-gradient entry for pass 0 .* no submodule",
+        ),
+        (
+            dict(_order=[1, 2, -2, -1, -1.5]),
+            ValueError,
+            r"entry 4 \(-1.5\): weight-gradient entries need _num_layers_per_chunk",
+        ),
+        (
+            dict(_order=[1, 2, -2, -1], _num_layers_per_chunk=[1]),
+            ValueError,
+            r"_num_layers_per_chunk has 1 entries but _order has 2 chunks",
+        ),
+        (dict(_order=[1, 2, -2]), ValueError, "dimension mismatch"),
+        (
+            dict(_order=[1, 2, -2, -1], sample_kwargs=({},)),
+            ValueError,
+            "Pipeline-parallel schedule requires sample_kwargs and sample_args to have the same length, "
+            "but got 1 sample_kwargs for 2 sample_args",
+        ),
+        (
+            dict(sample_kwargs=({},)),
+            ValueError,
+            "Expected sample_kwargs to have the same length as callables, but got 1 sample_kwargs for 2 callables",
+        ),
+        (dict(sample_kwargs=({"x": 3}, {})), AssertionError, r"leaf 1 of the sample_kwargs of callable 0 .* is a int"),
+        (
+            dict(_reuse_graph_input_output_buffers=True),
+            ValueError,
+            "`_order` must be provided when `_reuse_graph_input_output_buffers` is True.",
+        ),
+        (dict(retain_graph_in_backward="yes"), TypeError, "retain_graph_in_backward must be a bool"),
+    ],
+)
 def test_validation_errors(kwargs: dict[str, Any], exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         gograph.make_graphed_callables(_two_layers(), _samples(2), **kwargs)
 
 
 def test_validation_errors_wgrad_and_modes() -> None:
-    with pytest.raises(ValueError, match=r"_order entry 2 \(-2\): pass 1 .* needs a delayed weight gradient "
-                                         r"\(need_backward_dw\(\) of DelayedLinear is True\), but no -\(c\+0.5\) entry"):
-        gograph.make_graphed_callables(_two_layers(delay=True), _samples(2), _order=[1, 2, -2, -1],
-                                       _num_layers_per_chunk=[1, 1])
+    with pytest.raises(
+        ValueError,
+        match=r"_order entry 2 \(-2\): pass 1 .* needs a delayed weight gradient "
+        r"\(need_backward_dw\(\) of DelayedLinear is True\), but no -\(c\+0.5\) entry",
+    ):
+        gograph.make_graphed_callables(
+            _two_layers(delay=True), _samples(2), _order=[1, 2, -2, -1], _num_layers_per_chunk=[1, 1]
+        )
     with pytest.raises(ValueError, match=r"already has its weight-gradient pass"):
-        gograph.make_graphed_callables((DelayedLinear(FEATURES),), _samples(2),
-                                       _order=[1, 1, -1, -1, -1.5, -1.5], _num_layers_per_chunk=[1])
+        gograph.make_graphed_callables(
+            (DelayedLinear(FEATURES),), _samples(2), _order=[1, 1, -1, -1, -1.5, -1.5], _num_layers_per_chunk=[1]
+        )
     evals = tuple(m.eval() for m in _two_layers())
     with pytest.raises(ValueError, match=r"_order entry 2 \(-2\): the callables are in eval mode"):
         gograph.make_graphed_callables(evals, _samples(2), _order=[1, 2, -2, -1])
     with pytest.raises(RuntimeError, match="`_reuse_graph_input_output_buffers` is only available in training mode."):
         gograph.make_graphed_callables(evals, _samples(2), _order=[1, 2], _reuse_graph_input_output_buffers=True)
     with pytest.raises(ValueError, match=r"expected 4 sample_args \(one per layer per microbatch"):
-        gograph.make_graphed_callables(_two_layers(), _samples(2), _order=[1, 1, 2, 2, -2, -2, -1, -1],
-                                       _num_layers_per_chunk=1)
+        gograph.make_graphed_callables(
+            _two_layers(), _samples(2), _order=[1, 1, 2, 2, -2, -2, -1, -1], _num_layers_per_chunk=1
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -538,8 +660,9 @@ def test_eval_order_forward_only(device: str) -> None:
 def test_same_module_in_several_chunks() -> None:
     # TransformerEngine's tests graph (module,) * variants with _order.
     block = Block(FEATURES, 0)
-    graphed = gograph.make_graphed_callables((block, block), _samples(2), _order=[1, 2, -2, -1],
-                                             _num_layers_per_chunk=[1, 1], num_warmup_iters=1)
+    graphed = gograph.make_graphed_callables(
+        (block, block), _samples(2), _order=[1, 2, -2, -1], _num_layers_per_chunk=[1, 1], num_warmup_iters=1
+    )
     x = torch.randn(ROWS, FEATURES, requires_grad=True)
     expected = block(x)
     _assert_same(graphed[0](x), expected, "chunk 1")
@@ -574,8 +697,9 @@ def test_eager_engine_catches_replays_outside_the_schedule() -> None:
     # slot, run overlapping, make the eager engine's autograd refuse the stale backward (a graph
     # would silently read the overwritten buffer).
     mods = (Block(FEATURES, 0), Block(FEATURES, 1))
-    graphed = gograph.make_graphed_callables(mods, _samples(6), _order=ORDER_2x1x3, num_warmup_iters=1,
-                                             _reuse_graph_input_output_buffers=True)
+    graphed = gograph.make_graphed_callables(
+        mods, _samples(6), _order=ORDER_2x1x3, num_warmup_iters=1, _reuse_graph_input_output_buffers=True
+    )
     by_ptr: dict[int, list[int]] = {}
     for p, g in enumerate(graphed):
         by_ptr.setdefault(g.static_input_surface[0].data_ptr(), []).append(p)

@@ -1,4 +1,5 @@
 """Checks and failure paths of make_graphed_callables (torch's messages; clean rollback)."""
+
 from __future__ import annotations
 
 import pytest
@@ -90,8 +91,7 @@ def test_exception_in_callable_names_index_and_phase_and_rolls_back(eager_engine
     expected = torch.rand(3)
     torch.manual_seed(5)
     with pytest.raises(Boom) as info:
-        gograph.make_graphed_callables((m0, fn), samples, num_warmup_iters=warmup, pool=pool,
-                                       engine=eager_engine)
+        gograph.make_graphed_callables((m0, fn), samples, num_warmup_iters=warmup, pool=pool, engine=eager_engine)
     msg = str(info.value)
     assert "callable 1" in msg and phase in msg and "boom from the callable" in msg
     assert isinstance(info.value.__cause__, Boom)
@@ -120,8 +120,9 @@ def test_exception_in_backward_capture(eager_engine):
     base = gograph.live_passes()
     _BackwardFails.calls = 0
     with pytest.raises(KeyError) as info:
-        gograph.make_graphed_callables(_BackwardFails.apply, (torch.randn(3, requires_grad=True),),
-                                       num_warmup_iters=1, engine=eager_engine)
+        gograph.make_graphed_callables(
+            _BackwardFails.apply, (torch.randn(3, requires_grad=True),), num_warmup_iters=1, engine=eager_engine
+        )
     msg = str(info.value)
     assert "callable 0" in msg and "backward capture" in msg and "backward exploded" in msg
     assert gograph.live_passes() == base

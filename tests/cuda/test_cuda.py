@@ -1,4 +1,5 @@
 """CUDA engine tests: need a GPU and the cuda flavor of the core (marker ``cuda``)."""
+
 from __future__ import annotations
 
 import gc
@@ -66,10 +67,12 @@ def test_outputs_alias_static_buffers_on_cuda(cuda_device, no_tf32):
 def test_live_graphs_back_to_baseline_after_reset_and_delete(cuda_device):
     base_graphs, base_passes = gograph.live_graphs(), gograph.live_passes()
     m1, m2 = make_mlp(seed=1, device=cuda_device), make_mlp(seed=2, device=cuda_device)
-    fn = gograph.make_graphed_callables(lambda a: a.sin() * 2,
-                                        (torch.randn(8, device=cuda_device, requires_grad=True),))
-    gograph.make_graphed_callables((m1, m2), ((torch.randn(2, 8, device=cuda_device),),
-                                              (torch.randn(2, 8, device=cuda_device),)))
+    fn = gograph.make_graphed_callables(
+        lambda a: a.sin() * 2, (torch.randn(8, device=cuda_device, requires_grad=True),)
+    )
+    gograph.make_graphed_callables(
+        (m1, m2), ((torch.randn(2, 8, device=cuda_device),), (torch.randn(2, 8, device=cuda_device),))
+    )
     assert gograph.live_graphs() == base_graphs + 6
     assert gograph.live_passes() == base_passes + 3
     m1.reset()
@@ -158,8 +161,13 @@ def test_memory_back_to_baseline_after_reset_delete_empty_cache(cuda_device):
 def test_tuple_of_callables_on_cuda_matches_eager(cuda_device, no_tf32):
     m1, m2 = make_mlp(seed=1, d_out=8, device=cuda_device), make_mlp(seed=2, device=cuda_device)
     r1, r2 = twin(m1), twin(m2)
-    gograph.make_graphed_callables((m1, m2), ((torch.randn(4, 8, device=cuda_device, requires_grad=False),),
-                                              (torch.randn(4, 8, device=cuda_device, requires_grad=True),)))
+    gograph.make_graphed_callables(
+        (m1, m2),
+        (
+            (torch.randn(4, 8, device=cuda_device, requires_grad=False),),
+            (torch.randn(4, 8, device=cuda_device, requires_grad=True),),
+        ),
+    )
     for x in batches(3, (4, 8), device=cuda_device):
         m2(m1(x)).sum().backward()
         r2(r1(x)).sum().backward()
@@ -232,8 +240,9 @@ def test_failed_capture_with_rng_leaves_generators_usable(cuda_device, sync):
 def test_no_warmup_on_cuda_uses_rng_companion(cuda_device, no_tf32):
     model = make_mlp(dropout=0.25, device=cuda_device)
     ref = twin(model)
-    gograph.make_graphed_callables(model, (torch.randn(8, 8, device=cuda_device, requires_grad=True),),
-                                   num_warmup_iters=0)
+    gograph.make_graphed_callables(
+        model, (torch.randn(8, 8, device=cuda_device, requires_grad=True),), num_warmup_iters=0
+    )
     for seed in (1, 2):
         x = torch.randn(8, 8, device=cuda_device, requires_grad=True)
         xr = x.detach().clone().requires_grad_()

@@ -4,6 +4,7 @@ Each cycle must hand back everything: the core's pass records and graphs (``live
 ``live_graphs``), the eager engine's pool references, device memory (CUDA), and host memory
 (RSS growth bounded; measured and printed, see docs/RELIABILITY.md). Also: no Go->Python
 callbacks, and garbage calls into the core come back as Python exceptions, never a crash."""
+
 from __future__ import annotations
 
 import ctypes
@@ -117,8 +118,10 @@ def test_thousand_cycles_on_the_eager_engine_leak_nothing():
     assert not engine._passes
     growth = _growth_per_cycle(samples)
     total = samples[-1] - samples[0]
-    print(f"\neager engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
-          f"({total / 2**10:+.0f} KiB over 900 cycles, {growth:+.0f} B/cycle)")
+    print(
+        f"\neager engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
+        f"({total / 2**10:+.0f} KiB over 900 cycles, {growth:+.0f} B/cycle)"
+    )
     # Bounded: a leak of the pass machinery (the static buffers alone are ~2 KiB per cycle here,
     # the model ~3 KiB) grows by >= 2 KiB every cycle, in every run; measured slopes are 0-350
     # B/cycle on a loaded 2-core CI machine (allocator noise, which a second run does not repeat).
@@ -150,8 +153,13 @@ def test_errors_from_the_core_do_not_leak():
     core = _native.core
 
     def fail():
-        for call in (lambda: core.seal_pass(-5), lambda: core.replay(-5, 0, 0), lambda: core.pass_state(-5),
-                     lambda: core.end_pass_capture(-5, 0, 0), lambda: core.drop_pass(-5)):
+        for call in (
+            lambda: core.seal_pass(-5),
+            lambda: core.replay(-5, 0, 0),
+            lambda: core.pass_state(-5),
+            lambda: core.end_pass_capture(-5, 0, 0),
+            lambda: core.drop_pass(-5),
+        ):
             try:
                 call()
             except RuntimeError:
@@ -230,8 +238,9 @@ def test_garbage_calls_into_the_core_raise_and_never_crash():
     """Every exported function with integer and string arguments from the edges of int64 (and
     beyond: OverflowError), in a subprocess so that a crash would show as a return code."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(gograph.__file__)))
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(_GARBAGE_CALLS)], capture_output=True, text=True,
-                       env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_GARBAGE_CALLS)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "OK" in p.stdout
     print(p.stdout.strip().splitlines()[0])
@@ -239,7 +248,7 @@ def test_garbage_calls_into_the_core_raise_and_never_crash():
 
 def test_ints_beyond_int64_are_refused_before_go():
     core = _native.core
-    for bad in (2**63, -2**63 - 1, 2**100):
+    for bad in (2**63, -(2**63) - 1, 2**100):
         with pytest.raises(OverflowError):
             core.replay(bad, 0, 0)
         with pytest.raises(OverflowError):
@@ -279,8 +288,9 @@ def test_core_exposes_no_callbacks_and_only_scalar_signatures():
 def test_thousand_cycles_on_cuda_leak_nothing(cuda_device):
     def make():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.1),
-                                   torch.nn.Linear(32, 16)).to(cuda_device)
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 16)
+        ).to(cuda_device)
 
     _run_cycles(20, make, None, device=cuda_device)  # cuBLAS, allocator warm
     _warm_go_heap()
@@ -299,8 +309,10 @@ def test_thousand_cycles_on_cuda_leak_nothing(cuda_device):
     eng = gograph.engines.default_cuda_engine(cuda_device)
     assert not eng.rng.companions
     growth = _growth_per_cycle(samples)
-    print(f"\ncuda engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
-          f"({growth:+.0f} B/cycle); device memory back to {base_alloc} B")
+    print(
+        f"\ncuda engine, 1000 cycles: RSS {samples[0] / 2**20:.1f} -> {samples[-1] / 2**20:.1f} MiB "
+        f"({growth:+.0f} B/cycle); device memory back to {base_alloc} B"
+    )
     assert growth < 4096, f"host memory grows {growth:.0f} B per cycle on the CUDA engine"
 
 

@@ -5,6 +5,7 @@ and without dropout from a per-rank generator), DDP over graphed blocks, data-pa
 reduction inside the graphed backward, and the reset-then-destroy_process_group teardown, end to
 end. The GPU run of the same code is ``bash scripts/multigpu-run.sh`` on a 2-GPU machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "multigpu-run.sh")
 EXPECTED = ["tp_mlp", "tp_mlp_dropout", "ddp", "dp_ingraph"]
 LIMIT_S = 240  # the script bounds torchrun itself (--timeout); this bounds the whole subprocess
@@ -43,7 +44,13 @@ def test_multigpu_cpu_smoke(tmp_path):
     try:
         proc = subprocess.run(
             ["bash", SCRIPT, "--cpu-smoke", "--timeout", str(LIMIT_S - 30)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S, stdin=subprocess.DEVNULL)
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=LIMIT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the cpu smoke run did not finish within {LIMIT_S} s:\n{e.stdout or ''}\n{e.stderr or ''}")
     out = proc.stdout + proc.stderr
@@ -69,7 +76,7 @@ def test_multigpu_cpu_smoke(tmp_path):
     assert teardown["passed"]
     assert [r["destroy_returned"] for r in teardown["ranks"]] == [True, True]
     assert all(r["live_graphs_left"] <= 0 and r["reset"] > 0 for r in teardown["ranks"])
-    for name in EXPECTED + ["teardown"]:
+    for name in [*EXPECTED, "teardown"]:
         assert f"PASS {name}" in out
 
 
@@ -84,7 +91,7 @@ def test_parallel_layers_single_process_match_dense(monkeypatch):
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     sys.path.insert(0, os.path.join(ROOT, "tests", "multigpu"))
-    from parallel_layers import DenseMLPBlock, TPMLPBlock  # noqa: E402
+    from parallel_layers import DenseMLPBlock, TPMLPBlock
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

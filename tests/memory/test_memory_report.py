@@ -1,12 +1,14 @@
 """gograph.memory_report and build observation (logging, progress), on the CPU eager engine.
 The CUDA checks (numbers against torch.cuda.memory_allocated) are in test_memory_report_cuda.py."""
+
 from __future__ import annotations
 
 import json
 import logging
 import sys
-import warnings
 import types
+import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -35,8 +37,13 @@ def test_per_pass_bytes_and_totals():
     assert isinstance(r, MemoryReport) and len(r.passes) == 2
     pa, pb = r.passes
     assert isinstance(pa, PassMemory)
-    assert (pa.index, pa.label, pa.pass_id, pa.state, pa.engine) == (0, "Sequential", a.forward.pass_id, "ready",
-                                                                     "eager")
+    assert (pa.index, pa.label, pa.pass_id, pa.state, pa.engine) == (
+        0,
+        "Sequential",
+        a.forward.pass_id,
+        "ready",
+        "eager",
+    )
     w_a = (128 * 64 + 128) * F32
     assert pa.static_input_bytes == 16 * 64 * F32
     assert pa.param_bytes == w_a
@@ -91,8 +98,8 @@ def test_accepts_modules_callables_and_nested_sequences():
 def test_shared_storages_are_reported_both_ways():
     torch.manual_seed(0)
     x = torch.randn(4, 8)
-    f = lambda t: t * 2  # noqa: E731
-    g = lambda t: t + 1  # noqa: E731
+    f = lambda t: t * 2
+    g = lambda t: t + 1
     gf, gg = gograph.make_graphed_callables((f, g), ((x,), (x,)))  # one tensor is both static inputs
     r = gograph.memory_report((gf, gg))
     assert len(r.shared) == 1
@@ -123,8 +130,8 @@ def test_parameter_names_in_slots_and_params_not_reported_as_shared():
     layer = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
     # Two functions closing over one layer's parameters (as per-micro-batch graphs of one layer).
-    f1 = lambda t: layer(t)  # noqa: E731
-    f2 = lambda t: layer(t).relu()  # noqa: E731
+    f1 = layer
+    f2 = lambda t: layer(t).relu()
     g1, g2 = gograph.make_graphed_callables((f1, f2), ((x,), (x.detach().clone().requires_grad_(),)))
     r = gograph.memory_report((g1, g2))
     assert r.shared == []
@@ -133,6 +140,7 @@ def test_parameter_names_in_slots_and_params_not_reported_as_shared():
     slots = [s for s in model.forward.static_grad_inputs]
     assert len(slots) == 1 + len(list(model.parameters()))
     from gograph.memory import _slots
+
     names = [name for cat, name, _, is_param in _slots(model.forward) if cat == "grad_input"]
     assert names[0] == "grad_input[0.weight]"  # the input did not require grad: no grad buffer
 
@@ -198,7 +206,7 @@ def test_no_info_logs_at_warning_level(caplog):
 
 
 class _FakeBar:
-    instances: list[_FakeBar] = []
+    instances: ClassVar[list[_FakeBar]] = []
 
     def __init__(self, total=None, desc="", unit="", leave=True):
         self.total, self.n, self.descs, self.postfix, self.closed = total, 0, [desc], [], False
@@ -241,11 +249,13 @@ def test_progress_bar_closed_when_the_build_fails(monkeypatch):
     (bar,) = _FakeBar.instances
     assert bar.closed
     from gograph import _observe
+
     assert _observe.current_build() is None
 
 
 def test_progress_without_tqdm_builds_and_says_so_once(monkeypatch):
     from gograph import _observe
+
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
     monkeypatch.setattr(_observe, "_said_no_tqdm", [])
     with pytest.warns(UserWarning, match="progress=True shows a bar only with tqdm installed"):
@@ -261,5 +271,9 @@ def test_build_stats_shared_by_the_callables_of_one_call():
     assert a.forward.build_stats is b.forward.build_stats
     stats = a.forward.build_stats
     assert stats.engine == "eager" and stats.seconds > 0 and stats.warmup is None
-    assert [(c.kind, c.seq) for c in stats.captures] == [("forward", 1), ("forward", 2), ("backward", 3),
-                                                        ("backward", 4)]
+    assert [(c.kind, c.seq) for c in stats.captures] == [
+        ("forward", 1),
+        ("forward", 2),
+        ("backward", 3),
+        ("backward", 4),
+    ]

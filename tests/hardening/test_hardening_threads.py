@@ -3,6 +3,7 @@ the right results; a replay racing a reset of the same callable gets an error sa
 reset -- never a crash, an IndexError from half-cleared buffers, or a launch of a destroyed
 graph; builds on several threads do not see each other's captures. (The Go registry and ledger
 themselves are hammered under -race by internal/*/TestConcurrent.)"""
+
 from __future__ import annotations
 
 import sys
@@ -37,6 +38,7 @@ def _run_threads(targets) -> list[BaseException]:
                 fn()
             except BaseException as e:  # reported to the test thread
                 errors.append(e)
+
         return run
 
     threads = [threading.Thread(target=wrap(t)) for t in targets]
@@ -67,6 +69,7 @@ def test_two_threads_replay_independent_callables(fast_switching):
                 out.square().sum().backward()
                 expect.square().sum().backward()
                 assert torch.equal(xg.grad, xr.grad)
+
         return run
 
     errors = _run_threads([worker(0), worker(1)])
@@ -155,6 +158,7 @@ def test_builds_on_two_threads(fast_switching):
                 m = make_mlp(seed=10 * k + j)
                 mgc(m, (torch.randn(2, 8, requires_grad=True),))
                 built[k].append(m)
+
         return run
 
     errors = _run_threads([builder(0), builder(1)])
@@ -222,6 +226,7 @@ def test_cuda_two_threads_on_their_own_streams(cuda_device, no_tf32, fast_switch
                     out.square().sum().backward()
                     results[k].append((out.detach().clone(), x.grad.clone()))
             streams[k].synchronize()
+
         return run
 
     errors = _run_threads([worker(0), worker(1)])
@@ -270,7 +275,7 @@ def test_cuda_replay_racing_reset(cuda_device, fast_switching):
         assert not errors, errors
         torch.cuda.synchronize(cuda_device)
         assert g.state == "reset"
-        del m, g
+        m = g = None
     import gc
 
     gc.collect()

@@ -1,4 +1,5 @@
 """Flavor selection of the Go core (gograph._native)."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = PYTHON_DIR + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=e, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=300
+    )
 
 
 def test_exactly_one_flavor_is_loaded():
@@ -41,13 +43,16 @@ def test_availability_and_reason_agree():
 
 
 def test_disable_env_forces_cpu_flavor():
-    p = _run("""
+    p = _run(
+        """
         import logging, sys
         logging.basicConfig(level=logging.INFO, stream=sys.stdout)
         import gograph
         print("FLAVOR", gograph.flavor, gograph.cuda_available())
         print("REASON", gograph.cuda_unavailable_reason())
-    """, GOGRAPH_DISABLE_CUDA="1")
+    """,
+        GOGRAPH_DISABLE_CUDA="1",
+    )
     assert p.returncode == 0, p.stderr
     assert "FLAVOR cpu False" in p.stdout
     assert "GOGRAPH_DISABLE_CUDA" in p.stdout.split("REASON", 1)[1]

@@ -1,5 +1,6 @@
 """torch.cuda.make_graphed_callables parity on the eager engine (CPU): release points, RNG
 state, pools, pytree args."""
+
 from __future__ import annotations
 
 import gc
@@ -66,8 +67,10 @@ def test_dict_inputs_dropout_two_callables_ten_steps_bitwise_equal():
     ref_params = list(ref_head.parameters()) + list(ref_tail.parameters())
     opt, ref_opt = torch.optim.SGD(params, lr=0.05), torch.optim.SGD(ref_params, lr=0.05)
     g = torch.Generator().manual_seed(5)
-    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
-            for _ in range(10)]
+    data = [
+        (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+        for _ in range(10)
+    ]
     for (hd, tl, o), seed in ((head, tail, opt), 11), ((ref_head, ref_tail, ref_opt), 11):
         torch.manual_seed(seed)
         for xi, si, yi in data:
@@ -137,12 +140,14 @@ def small_graph():
     def build():
         y = torch.tanh(x @ w)
         return (y,), torch.randn_like(y)
+
     return build, x, w, u
 
 
 @pytest.mark.parametrize("retain_graph", [False, True])
 def test_build_backward_equals_torch_autograd_grad(small_graph, retain_graph):
-    from gograph import _bodies, _torch
+    from gograph import _bodies
+
     build, x, w, u = small_graph
     outs, g = build()
     expected = torch.autograd.grad(outs, (x, w, u), (g,), allow_unused=True, retain_graph=True)
@@ -157,8 +162,9 @@ def test_build_backward_equals_torch_autograd_grad(small_graph, retain_graph):
 
 
 def test_build_backward_raises_torchs_errors(small_graph):
-    from gograph import _bodies, _torch
-    build, x, w, u = small_graph
+    from gograph import _bodies
+
+    build, x, _w, u = small_graph
     outs, g = build()
     with pytest.raises(RuntimeError) as torch_error:
         torch.autograd.grad(outs, (x, u), (g,), retain_graph=True)
@@ -175,13 +181,15 @@ def test_build_backward_takes_torch_autograd_grad_unless_plain(small_graph, monk
     import logging
 
     from gograph import _bodies, _torch
-    build, x, w, u = small_graph
+
+    build, x, w, _u = small_graph
     engine_calls = []
     real = _torch.run_backward
 
     def counting(*args, **kwargs):
         engine_calls.append(1)
         return real(*args, **kwargs)
+
     monkeypatch.setattr(_torch, "run_backward", counting)
     outs, g = build()
     inputs = (x, w)

@@ -1,4 +1,5 @@
 """make_graphed_callables on the eager engine (CPU): values, grads, structure, aliasing, modes."""
+
 from __future__ import annotations
 
 import pytest
@@ -100,8 +101,9 @@ def test_tuple_of_callables_with_pytree_and_dict_args():
 def test_tuple_captures_share_one_pool_with_one_reference_per_capture(eager_engine):
     m1, m2 = make_mlp(seed=1), make_mlp(seed=2, d_in=4)
     pool = gograph.graph_pool_handle()
-    g1, g2 = gograph.make_graphed_callables(
-        (m1, m2), ((torch.randn(2, 8),), (torch.randn(2, 4),)), pool=pool, engine=eager_engine)
+    _g1, _g2 = gograph.make_graphed_callables(
+        (m1, m2), ((torch.randn(2, 8),), (torch.randn(2, 4),)), pool=pool, engine=eager_engine
+    )
     # two callables x (forward + backward) captures, all in the given pool
     assert eager_engine.pool_refs(pool) == 4
     assert m1.forward.pool is pool and m2.forward.pool is pool
@@ -212,7 +214,7 @@ def test_param_grads_never_become_static_buffers_across_steps(set_to_none):
 
 def test_skip_backward_post_hook_params_are_not_cloned():
     model = make_mlp()
-    marked = list(model.parameters())[0]
+    marked = next(iter(model.parameters()))
     marked.skip_backward_post_hook = True
     gograph.make_graphed_callables(model, (torch.randn(4, 8),))
     static = model.forward.static_grad_inputs[1]
