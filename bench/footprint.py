@@ -13,13 +13,14 @@ and the memory report's static bytes.
 
   python bench/footprint.py                                # all cells, table, GPU
   python bench/footprint.py --workloads chain --json out.json
-  python bench/footprint.py --arms eager,gograph,gograph:chain_buffers=1
+  python bench/footprint.py --arms eager,gograph,gograph:chain_buffers=true+shared_samples=true --jobs 4
   python bench/footprint.py --cell chain gograph none      # one cell, in this process (JSON line)
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import os
@@ -40,10 +41,10 @@ MODES = {"none": True, "zero": False}  # zero_grad(set_to_none=...)
 
 
 def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
-    """``gograph:chain_buffers=1,x=2`` -> ("gograph", {"chain_buffers": 1, "x": 2})."""
+    """``gograph:chain_buffers=true+x=2`` -> ("gograph", {"chain_buffers": 1, "x": 2})."""
     maker, _, rest = arm.partition(":")
     kwargs: dict[str, Any] = {}
-    for kv in filter(None, rest.split(",")):
+    for kv in filter(None, rest.split("+")):
         k, _, v = kv.partition("=")
         kwargs[k] = json.loads(v) if v else True
     return maker, kwargs
@@ -52,8 +53,11 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
 def graph(
     maker: str, kwargs: dict[str, Any], wl: Any, layers: list[torch.nn.Module], device: torch.device
 ) -> tuple[list[Any], Any]:
-    """The per-pass callables of a graphed arm (and gograph's result, for its report)."""
-    samples = wl.sample_args(device)
+    """The per-pass callables of a graphed arm (and gograph's result, for its report). The
+    pseudo-option ``shared_samples`` (the bench's, not gograph's) shares the chained positions'
+    sample tensor (bench/workloads.py)."""
+    kwargs = dict(kwargs)
+    samples = wl.sample_args(device, share_chained=bool(kwargs.pop("shared_samples", False)))
     if maker == "torch":
         if wl.order is not None:
             raise SystemExit("torch.cuda.make_graphed_callables has no _order: no torch arm for " + wl.name)
@@ -77,6 +81,8 @@ def pool_split() -> dict[str, int]:
 
 def run_cell(name: str, arm: str, mode: str, steps: int, small: bool, detail: bool = False) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device())
+    if name == "blocks":  # SDPA's backward is deterministic only in deterministic mode (every arm alike)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     wl = workload(name, small)
     maker, kwargs = parse_arm(arm)
     layers = wl.build(device)
@@ -119,7 +125,8 @@ def run_fresh(name: str, arm: str, mode: str, steps: int, small: bool) -> dict[s
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", name, arm, mode, "--steps", str(steps)]
     if small:
         cmd.append("--small")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")  # deterministic cuBLAS (blocks' mode)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -159,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="eager,torch,gograph")
     ap.add_argument("--modes", default="none,zero", help="none: zero_grad(set_to_none=True); zero: False")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (fresh processes each)")
     ap.add_argument("--small", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--detail", action="store_true", help="with --cell: memory report and pool split")
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cell:
         print(json.dumps(run_cell(*args.cell, steps=args.steps, small=args.small, detail=args.detail)))
         return 0
-    rows = []
+    cells = []
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
             ap.error(f"unknown workload {name}")
@@ -180,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             for arm in args.arms.split(","):
                 if arm == "torch" and workload(name).order is not None:
                     continue
-                r = run_fresh(name, arm, mode, args.steps, args.small)
-                print(json.dumps(r), flush=True)
-                rows.append(r)
+                cells.append((name, arm, mode))
+    # Each cell is its own process with its own allocator, so cells may share the GPU (--jobs):
+    # memory peaks are per process; only timings would interfere, and none are reported here.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = list(pool.map(lambda c: run_fresh(*c, args.steps, args.small), cells))
+    for r in rows:
+        print(json.dumps(r), flush=True)
     print(table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -8,7 +8,7 @@ per arm the best and median round (ms per step), and per arm the median of its p
 the reference arm (``--ref``, default torch).
 
   python bench/steptime.py --workload stack --mode none            # launch-bound stack
-  python bench/steptime.py --workload chain --arms torch,gograph,gograph:chain_buffers=1
+  python bench/steptime.py --workload chain --arms torch,gograph,gograph:chain_buffers=true
 """
 
 from __future__ import annotations

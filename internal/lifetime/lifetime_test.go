@@ -153,8 +153,8 @@ func TestCaptureReleasePoints(t *testing.T) {
 			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | R p 3 1 | B 2 | X 2 | R o 2 0 | R p 2 1 | R d 3 0 | " +
 				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0"},
 		{"_order chained with reuse: outputs live until the consumer's backward", te, layer(te), Options{Reuse: true, Chain: true, Release: true},
-			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | B 2 | X 2 | R o 2 0 | R d 3 0 | " +
-				"B 1 | X 1 | R o 1 0 | B 0 | X 0 | R o 0 0 | R d 1 0 | R d 2 0"},
+			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | R p 3 1 | B 2 | X 2 | R o 2 0 | R p 2 1 | R d 3 0 | " +
+				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -212,9 +212,10 @@ func TestGradPolicies(t *testing.T) {
 		{"default: owned clones", p, Options{Release: true}, [][]GradPolicy{{GradClone}, {GradClone}}},
 		{"chained: lent", p, Options{Chain: true, Release: true}, [][]GradPolicy{{GradLend}, {GradLend}}},
 		{"reuse: transient clones", pipe, Options{Reuse: true, Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
-		{"chained pipeline: the first backward lends, later microbatches accumulate transiently", pipe,
-			Options{Chain: true, Reuse: true, Release: true}, [][]GradPolicy{{GradLend}, {GradTransient}}},
-		{"chained on the eager engine: no pool to hand back", pipe, Options{Chain: true}, [][]GradPolicy{{GradLend}, {GradClone}}},
+		{"chained pipeline: transient clones (a lent buffer per microbatch pass would be a second copy)", pipe,
+			Options{Chain: true, Reuse: true, Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
+		{"chained pipeline on the eager engine: no pool to hand back", pipe, Options{Chain: true}, [][]GradPolicy{{GradClone}, {GradClone}}},
+		{"chained default schedule on the eager engine: lent all the same", p, Options{Chain: true}, [][]GradPolicy{{GradLend}, {GradLend}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -342,10 +343,10 @@ func TestEncode(t *testing.T) {
 		t.Fatal(err)
 	}
 	prog := mustCapture(t, p, facts, Options{Reuse: true, Chain: true, Release: true})
-	// One layer, two microbatches: nothing to chain; slots as with reuse alone; the
-	// first microbatch's backward lends its parameter grad, the second's is transient.
-	want := "op F 0\nop B 0\nop X 0\nop R o 0 0\nop F 1\nop B 1\nop X 1\nop R d 0 0\nop R o 1 0\nop R p 1 1\n" +
-		"in 0 0 s 0\nin 1 0 s 0\ngout 0 0 s 1\ngout 1 0 s 1\ngrad 0 0 l\ngrad 1 0 t\nsig 0 4 2 2\nslots 2\n"
+	// One layer, two microbatches: nothing to chain; slots as with reuse alone; both
+	// parameter grads transient (released after their backward).
+	want := "op F 0\nop B 0\nop X 0\nop R o 0 0\nop R p 0 1\nop F 1\nop B 1\nop X 1\nop R d 0 0\nop R o 1 0\nop R p 1 1\n" +
+		"in 0 0 s 0\nin 1 0 s 0\ngout 0 0 s 1\ngout 1 0 s 1\ngrad 0 0 t\ngrad 1 0 t\nsig 0 4 2 2\nslots 2\n"
 	if got := prog.Encode(); got != want {
 		t.Errorf("Encode:\n%s\nwant\n%s", got, want)
 	}

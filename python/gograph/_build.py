@@ -229,6 +229,9 @@ def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
         has_backward=st.has_backward,
         wgrad=st.wgrad_body,
         chained_inputs=frozenset(st.chained_inputs),
+        chained_grad_outputs=frozenset(st.chained_grad_outputs),
+        released_outputs=frozenset(i for r, i in st.released if r == "o"),
+        released_grad_inputs=frozenset(i for r, i in st.released if r != "o"),
         grad_policy=policy,
         seq=(st.seq[0], st.seq[1]),
     )

@@ -116,6 +116,7 @@ def _grad_output_buffer(
     if src is not None and src.kind == _plan.CHAINED:
         buf = build.states[src.pass_index].static_grad_inputs[src.index]
         if buf is not None and _reuse.tensor_signature(buf) == _reuse.tensor_signature(o):
+            st.chained_grad_outputs.add(k)
             return buf
     if src is not None and src.kind == _plan.SLOT:
         slot = slots[src.slot]

@@ -147,19 +147,37 @@ def replace_leaves(tree: Any, replacements: Mapping[int, Tensor]) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _weak(t: Tensor) -> Tensor:
+    return _torch.nonowning_view(t).requires_grad_(t.requires_grad)
+
+
 def release(op: _plan.Op, states: Sequence[PassState]) -> None:
-    """Drops gograph's owning reference to a pool buffer the core proved dead, keeping a
-    non-owning view for the graphs' static tensor (later captures may reuse its memory)."""
+    """Drops gograph's owning references to a pool buffer the core proved dead, keeping
+    non-owning views for the graphs' static tensors (later captures may reuse its memory). A
+    chained buffer has two holders -- an output and the next layer's static input, or a user
+    input's grad and the previous layer's grad output: both let go."""
     st = states[op.pass_index]
+    st.released.add((op.role, op.buffer))
     if op.role == "o":
-        outs = list(st.static_outputs)
-        outs[op.buffer] = _torch.nonowning_view(outs[op.buffer])
-        st.static_outputs = tuple(outs)
+        old = st.static_outputs[op.buffer]
+        st.static_outputs = _replaced(st.static_outputs, op.buffer, _weak(old))
+        for other in states:  # chained consumers read it as their static input
+            repl = {j: _weak(other.flat_args[j]) for j in other.chained_inputs
+                    if other.flat_args[j].data_ptr() == old.data_ptr()}  # fmt: skip
+            other.replace_args(repl)
         return
-    grads = list(st.static_grad_inputs)
-    if op.buffer < len(grads) and grads[op.buffer] is not None:
-        grads[op.buffer] = _torch.nonowning_view(grads[op.buffer])  # type: ignore[arg-type]
-        st.static_grad_inputs = tuple(grads)
+    grad = st.static_grad_inputs[op.buffer] if op.buffer < len(st.static_grad_inputs) else None
+    if grad is None:
+        return
+    st.static_grad_inputs = _replaced(st.static_grad_inputs, op.buffer, _weak(grad))
+    for other in states:  # a chained producer reads it as its grad output
+        for k, g in enumerate(other.static_grad_outputs):
+            if g is grad:
+                other.static_grad_outputs = _replaced(other.static_grad_outputs, k, _weak(g))
+
+
+def _replaced(items: tuple[Any, ...], i: int, value: Any) -> tuple[Any, ...]:
+    return (*items[:i], value, *items[i + 1 :])
 
 
 @dataclass

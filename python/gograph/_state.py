@@ -55,6 +55,8 @@ class PassState:
         self.has_backward = False
         self.wgrad_body: _te.WgradBody | None = None
         self.chained_inputs: set[int] = set()
+        self.chained_grad_outputs: set[int] = set()
+        self.released: set[tuple[str, int]] = set()  # (role, index) handed back to the pool
         self.seq = [0, 0]
 
     @property

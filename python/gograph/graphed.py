@@ -69,6 +69,9 @@ class PassResult:
     has_backward: bool
     wgrad: WgradBody | None
     chained_inputs: frozenset[int] = frozenset()
+    chained_grad_outputs: frozenset[int] = frozenset()
+    released_outputs: frozenset[int] = frozenset()  # pool-planned: handed back, not owned
+    released_grad_inputs: frozenset[int] = frozenset()
     grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
     seq: tuple[int, int] = (0, 0)  # capture sequence numbers of its forward and backward
 
@@ -227,6 +230,8 @@ class GraphedCallable:
         self.static_grad_inputs = result.static_grad_inputs
         self.output_spec = result.output_spec
         self.has_backward = result.has_backward
+        self.chained_inputs, self.chained_grad_outputs = result.chained_inputs, result.chained_grad_outputs
+        self.released_outputs, self.released_grad_inputs = result.released_outputs, result.released_grad_inputs
         self._single_output = result.output_spec.is_leaf()
         self._nondiff_outputs = tuple(
             i for i, rg in enumerate(result.output_requires_grad) if not (rg and result.has_backward)
@@ -270,7 +275,8 @@ class GraphedCallable:
             for k, p in enumerate(result.params)
             if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None
         )
-        self._lent = shared.lent if any(s.policy == _plan.GRAD_LEND for s in self._param_grad_slots) else None
+        self.lent_param_grads = sum(1 for s in self._param_grad_slots if s.policy == _plan.GRAD_LEND)
+        self._lent = shared.lent if self.lent_param_grads else None
         self._fwd_seq, self._bwd_seq = result.seq
 
     # -- introspection ------------------------------------------------------------------------

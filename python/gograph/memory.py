@@ -84,6 +84,15 @@ class PassMemory:
     """Grad buffers of the inputs *and parameters* that require grad."""
     param_grad_bytes: int
     """The parameter part of ``grad_input_bytes``."""
+    pool_planned_bytes: int
+    """Static buffers this pass does not own: pool blocks handed back once the schedule is past
+    their last reader (``_reuse_graph_input_output_buffers``, ``chain_buffers``), reused by later
+    captures; included in the categories above."""
+    chained_slots: list[str]
+    """Slots that are another pass's buffer (``chain_buffers``): inputs reading the previous
+    layer's output, grad outputs that are the next layer's input grad."""
+    lent_param_grads: int
+    """Parameter grads whose static buffer is lent to ``.grad`` (``chain_buffers``)."""
     graph_nodes: dict[str, int | None]
     """Node count of each captured graph by kind; None on the eager engine or after reset."""
     replay_order_check: bool
@@ -151,6 +160,8 @@ class Totals:
     grad_input_bytes: int
     static_bytes: int
     """Distinct storages of inputs, outputs, grad outputs and grad inputs (no parameters)."""
+    pool_planned_bytes: int
+    """The part of ``static_bytes`` that is pool-planned (not owned; see PassMemory)."""
     shared_bytes: int
     """What sharing saves: the per-pass static bytes summed, minus ``static_bytes``."""
     pool_reserved_bytes: int | None
@@ -239,29 +250,31 @@ def _param_names(g: Any) -> list[str]:
     return [str(i) for i in range(len(params))]
 
 
-def _slots(g: Any) -> Iterator[tuple[str, str, Tensor, bool]]:
-    """(category, slot name, tensor, is a parameter's grad) for every static tensor of ``g``.
+def _slots(g: Any) -> Iterator[tuple[str, str, Tensor, bool, bool]]:
+    """(category, slot name, tensor, is a parameter's grad, pool-planned) for every static
+    tensor of ``g``.
     Slots: ``input[i]``, ``param[name]``, ``output[i]``, ``grad_output[i]``, ``grad_input[i]``
     (user arg i) and ``grad_input[name]`` (parameter)."""
     n_user = g.len_user_args
     names = _param_names(g)
+    released_out, released_grad = g.released_outputs, g.released_grad_inputs
     for i, t in enumerate(g.static_input_surface[:n_user]):
-        yield "input", f"input[{i}]", t, False
+        yield "input", f"input[{i}]", t, False, False
     for name, t in zip(names, g.module_params):
-        yield "param", f"param[{name}]", t, False
+        yield "param", f"param[{name}]", t, False, False
     for i, t in enumerate(g.static_outputs):
-        yield "output", f"output[{i}]", t, False
+        yield "output", f"output[{i}]", t, False, i in released_out
     for i, t in enumerate(g.static_grad_outputs):
         if t is not None:
-            yield "grad_output", f"grad_output[{i}]", t, False
+            yield "grad_output", f"grad_output[{i}]", t, False, False
     for i, t in enumerate(g.static_grad_inputs):
         if t is None:
             continue
         if i < n_user:
-            yield "grad_input", f"grad_input[{i}]", t, False
+            yield "grad_input", f"grad_input[{i}]", t, False, i in released_grad
         else:
             k = i - n_user
-            yield "grad_input", f"grad_input[{names[k] if k < len(names) else k}]", t, True
+            yield "grad_input", f"grad_input[{names[k] if k < len(names) else k}]", t, True, i in released_grad
 
 
 def memory_report(graphed: Any) -> MemoryReport:
@@ -269,128 +282,15 @@ def memory_report(graphed: Any) -> MemoryReport:
     module or callable, or the tuple), or any list/tuple of graphed modules and callables (e.g.
     from several calls sharing a pool). Reading it synchronizes nothing and changes nothing;
     on CUDA it takes one ``torch.cuda.memory_snapshot()`` per pool."""
-    core = _core
     gcs = list(_graphed_callables(graphed, set()))
     if not gcs:
         raise ValueError("gograph.memory_report: no graphed callables given")
-
-    passes: list[PassMemory] = []
-    owners: dict[tuple[str, int, int], list[tuple[int, str, str, str]]] = {}
-    per_category: dict[str, dict[tuple[str, int, int], int]] = {c: {} for c in CATEGORIES}
-    pools: dict[tuple[int, str], PoolMemory] = {}
-    pool_tokens: dict[tuple[int, str], tuple[Any, Any]] = {}
-    builds: dict[int, BuildStats] = {}
-    per_pass_static = 0
-
+    c = _Collector()
     for g in gcs:
-        pid = int(g.pass_id)
-        eng = g.engine
-        state = str(core.pass_state(pid))
-        pool_key = str(core.pass_pool(pid)) or eng.pool_key(g.pool)
-        seqs: dict[str, int] = {}
-        nodes: dict[str, int | None] = {}
-        for kind, kname in KIND_NAMES.items():
-            seq = int(core.capture_seq(pid, kind))
-            if seq <= 0:
-                continue
-            seqs[kname] = seq
-            handle = int(core.pass_graph(pid, kind))
-            nodes[kname] = int(core.graph_node_count(handle)) if handle else None
-        bytes_by: dict[str, int] = {c: 0 for c in CATEGORIES}
-        param_grad = 0
-        seen_here: dict[str, set[tuple[str, int, int]]] = {c: set() for c in CATEGORIES}
-        for cat, slot, t, is_param_grad in _slots(g):
-            key = _storage_key(t)
-            if key[2] == 0:
-                continue
-            owners.setdefault(key, []).append((pid, g.label, slot, cat))
-            per_category[cat][key] = key[2]
-            if key not in seen_here[cat]:
-                seen_here[cat].add(key)
-                bytes_by[cat] += key[2]
-                if is_param_grad:
-                    param_grad += key[2]
-        build = g.build_stats
-        if build is not None:
-            builds.setdefault(build.id, build)
-        captures = [c for c in build.captures if c.pass_id == pid] if build is not None else []
-        pm = PassMemory(
-            index=int(g.index),
-            label=str(g.label),
-            pass_id=pid,
-            state=state,
-            engine=eng.name,
-            pool=pool_key,
-            capture_seq=seqs,
-            static_input_bytes=bytes_by["input"],
-            param_bytes=bytes_by["param"],
-            output_bytes=bytes_by["output"],
-            grad_output_bytes=bytes_by["grad_output"],
-            grad_input_bytes=bytes_by["grad_input"],
-            param_grad_bytes=param_grad,
-            graph_nodes=nodes,
-            replay_order_check=bool(core.replay_order_check(pid)),
-            captures=captures,
-        )
-        per_pass_static += pm.static_bytes
-        passes.append(pm)
-        pk = (id(eng), pool_key)
-        if pk not in pools:
-            pools[pk] = PoolMemory(
-                pool=pool_key, engine=eng.name, pass_ids=[], reserved_bytes=None, active_bytes=None, segments=None
-            )
-            pool_tokens[pk] = (eng, g.pool)
-        pools[pk].pass_ids.append(pid)
-
-    for pk, pmem in pools.items():
-        eng, token = pool_tokens[pk]
-        usage = eng.pool_memory(token)
-        if usage is not None:
-            pmem.reserved_bytes, pmem.active_bytes, pmem.segments = (int(x) for x in usage)
-
-    # Sharing: storages held by more than one slot (parameters are the model's and are expected
-    # to be shared between passes of one layer, so they are left out).
-    shared: list[SharedStorage] = []
-    by_pass = {p.pass_id: p for p in passes}
-    for key, holders in owners.items():
-        holders = [h for h in holders if h[3] != "param"]
-        if len(holders) < 2:
-            continue
-        shared.append(
-            SharedStorage(
-                device=key[0], data_ptr=key[1], nbytes=key[2], holders=[f"pass {h[0]} ({h[1]}) {h[2]}" for h in holders]
-            )
-        )
-        for a in holders:
-            for b in holders:
-                if a[0] != b[0]:
-                    by_pass[a[0]].shared.append(
-                        SharedSlot(slot=a[2], other_pass_id=b[0], other_label=b[1], other_slot=b[2], nbytes=key[2])
-                    )
-
-    static_keys: set[tuple[str, int, int]] = set()
-    for cat in ("input", "output", "grad_output", "grad_input"):
-        static_keys.update(per_category[cat])
-    static_total = sum(k[2] for k in static_keys)
-    node_counts = [n for p in passes for n in p.graph_nodes.values() if n is not None]
-    reserved = [p.reserved_bytes for p in pools.values() if p.reserved_bytes is not None]
-    active = [p.active_bytes for p in pools.values() if p.active_bytes is not None]
-    totals = Totals(
-        passes=len(passes),
-        graphs=sum(len(p.capture_seq) for p in passes),
-        graph_nodes=sum(node_counts) if node_counts else None,
-        static_input_bytes=sum(per_category["input"].values()),
-        param_bytes=sum(per_category["param"].values()),
-        output_bytes=sum(per_category["output"].values()),
-        grad_output_bytes=sum(per_category["grad_output"].values()),
-        grad_input_bytes=sum(per_category["grad_input"].values()),
-        static_bytes=static_total,
-        shared_bytes=per_pass_static - static_total,
-        pool_reserved_bytes=sum(reserved) if reserved else None,
-        pool_active_bytes=sum(active) if active else None,
-        capture_seconds=sum(c.seconds for p in passes for c in p.captures),
-    )
-    summaries = [
+        c.add(g)
+    pools = c.pool_usage()
+    shared = c.shared()
+    builds = [
         BuildSummary(
             build=b.id,
             engine=b.engine,
@@ -400,9 +300,153 @@ def memory_report(graphed: Any) -> MemoryReport:
             warmup=b.warmup,
             debug_replay_order=b.debug_replay_order,
         )
-        for b in builds.values()
+        for b in c.builds.values()
     ]
-    return MemoryReport(passes=passes, pools=list(pools.values()), shared=shared, builds=summaries, totals=totals)
+    return MemoryReport(passes=c.passes, pools=pools, shared=shared, builds=builds, totals=c.totals(pools))
+
+
+_Key = tuple[str, int, int]  # device, storage data_ptr, bytes
+
+
+class _Collector:
+    """Gathers the passes of a report: storages by category and holder, pools, builds."""
+
+    def __init__(self) -> None:
+        self.passes: list[PassMemory] = []
+        self.owners: dict[_Key, list[tuple[int, str, str, str]]] = {}
+        self.per_category: dict[str, dict[_Key, int]] = {c: {} for c in CATEGORIES}
+        self.planned: dict[_Key, int] = {}
+        self.pools: dict[tuple[int, str], PoolMemory] = {}
+        self.pool_tokens: dict[tuple[int, str], tuple[Any, Any]] = {}
+        self.builds: dict[int, BuildStats] = {}
+        self.per_pass_static = 0
+
+    def add(self, g: Any) -> None:
+        pid, eng = int(g.pass_id), g.engine
+        pool_key = str(_core.pass_pool(pid)) or eng.pool_key(g.pool)
+        bytes_by, param_grad, planned = self._storages(g, pid)
+        build = g.build_stats
+        if build is not None:
+            self.builds.setdefault(build.id, build)
+        seqs, nodes = _graphs_of(pid)
+        pm = PassMemory(
+            index=int(g.index),
+            label=str(g.label),
+            pass_id=pid,
+            state=str(_core.pass_state(pid)),
+            engine=eng.name,
+            pool=pool_key,
+            capture_seq=seqs,
+            static_input_bytes=bytes_by["input"],
+            param_bytes=bytes_by["param"],
+            output_bytes=bytes_by["output"],
+            grad_output_bytes=bytes_by["grad_output"],
+            grad_input_bytes=bytes_by["grad_input"],
+            param_grad_bytes=param_grad,
+            pool_planned_bytes=planned,
+            chained_slots=[f"input[{j}]" for j in sorted(g.chained_inputs)]
+            + [f"grad_output[{k}]" for k in sorted(g.chained_grad_outputs)],
+            lent_param_grads=int(g.lent_param_grads),
+            graph_nodes=nodes,
+            replay_order_check=bool(_core.replay_order_check(pid)),
+            captures=[c for c in build.captures if c.pass_id == pid] if build is not None else [],
+        )
+        self.per_pass_static += pm.static_bytes
+        self.passes.append(pm)
+        pk = (id(eng), pool_key)
+        if pk not in self.pools:
+            self.pools[pk] = PoolMemory(
+                pool=pool_key, engine=eng.name, pass_ids=[], reserved_bytes=None, active_bytes=None, segments=None
+            )
+            self.pool_tokens[pk] = (eng, g.pool)
+        self.pools[pk].pass_ids.append(pid)
+
+    def _storages(self, g: Any, pid: int) -> tuple[dict[str, int], int, int]:
+        bytes_by = {c: 0 for c in CATEGORIES}
+        param_grad = planned = 0
+        seen_here: dict[str, set[_Key]] = {c: set() for c in CATEGORIES}
+        for cat, slot, t, is_param_grad, is_planned in _slots(g):
+            key = _storage_key(t)
+            if key[2] == 0:
+                continue
+            self.owners.setdefault(key, []).append((pid, g.label, slot, cat))
+            self.per_category[cat][key] = key[2]
+            if key in seen_here[cat]:
+                continue
+            seen_here[cat].add(key)
+            bytes_by[cat] += key[2]
+            param_grad += key[2] if is_param_grad else 0
+            if is_planned:
+                planned += key[2]
+                self.planned[key] = key[2]
+        return bytes_by, param_grad, planned
+
+    def pool_usage(self) -> list[PoolMemory]:
+        for pk, pmem in self.pools.items():
+            eng, token = self.pool_tokens[pk]
+            usage = eng.pool_memory(token)
+            if usage is not None:
+                pmem.reserved_bytes, pmem.active_bytes, pmem.segments = (int(x) for x in usage)
+        return list(self.pools.values())
+
+    def shared(self) -> list[SharedStorage]:
+        """Storages held by more than one slot (parameters are the model's, expected to be shared
+        between passes of one layer, so they are left out)."""
+        out: list[SharedStorage] = []
+        by_pass = {p.pass_id: p for p in self.passes}
+        for key, holders in self.owners.items():
+            holders = [h for h in holders if h[3] != "param"]
+            if len(holders) < 2:
+                continue
+            names = [f"pass {h[0]} ({h[1]}) {h[2]}" for h in holders]
+            out.append(SharedStorage(device=key[0], data_ptr=key[1], nbytes=key[2], holders=names))
+            for a in holders:
+                for b in holders:
+                    if a[0] != b[0]:
+                        by_pass[a[0]].shared.append(
+                            SharedSlot(slot=a[2], other_pass_id=b[0], other_label=b[1], other_slot=b[2], nbytes=key[2])
+                        )
+        return out
+
+    def totals(self, pools: list[PoolMemory]) -> Totals:
+        static_keys: set[_Key] = set()
+        for cat in ("input", "output", "grad_output", "grad_input"):
+            static_keys.update(self.per_category[cat])
+        static_total = sum(k[2] for k in static_keys)
+        node_counts = [n for p in self.passes for n in p.graph_nodes.values() if n is not None]
+        reserved = [p.reserved_bytes for p in pools if p.reserved_bytes is not None]
+        active = [p.active_bytes for p in pools if p.active_bytes is not None]
+        per = self.per_category
+        return Totals(
+            passes=len(self.passes),
+            graphs=sum(len(p.capture_seq) for p in self.passes),
+            graph_nodes=sum(node_counts) if node_counts else None,
+            static_input_bytes=sum(per["input"].values()),
+            param_bytes=sum(per["param"].values()),
+            output_bytes=sum(per["output"].values()),
+            grad_output_bytes=sum(per["grad_output"].values()),
+            grad_input_bytes=sum(per["grad_input"].values()),
+            static_bytes=static_total,
+            pool_planned_bytes=sum(self.planned.values()),
+            shared_bytes=self.per_pass_static - static_total,
+            pool_reserved_bytes=sum(reserved) if reserved else None,
+            pool_active_bytes=sum(active) if active else None,
+            capture_seconds=sum(c.seconds for p in self.passes for c in p.captures),
+        )
+
+
+def _graphs_of(pid: int) -> tuple[dict[str, int], dict[str, int | None]]:
+    """Capture sequence numbers and node counts of a pass's graphs, by kind name."""
+    seqs: dict[str, int] = {}
+    nodes: dict[str, int | None] = {}
+    for kind, kname in KIND_NAMES.items():
+        seq = int(_core.capture_seq(pid, kind))
+        if seq <= 0:
+            continue
+        seqs[kname] = seq
+        handle = int(_core.pass_graph(pid, kind))
+        nodes[kname] = int(_core.graph_node_count(handle)) if handle else None
+    return seqs, nodes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +470,54 @@ def _table(header: list[str], rows: list[list[str]], right: Iterable[int]) -> li
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+_HEADER = ["#", "pass", "label", "state", "seq f/b/w", "inputs", "params", "outputs", "grad out", "grad in",
+           "pool-planned", "nodes f/b/w", "capture ms", "shared"]  # fmt: skip
+
+
+def _pass_row(p: PassMemory) -> list[str]:
+    ms = sum(c.seconds for c in p.captures) * 1e3
+    others = sorted({s.other_pass_id for s in p.shared})
+    return [
+        str(p.index),
+        str(p.pass_id),
+        p.label + (" [guard]" if p.replay_order_check else ""),
+        p.state,
+        _kinds_str(p.capture_seq),
+        fmt_bytes(p.static_input_bytes),
+        fmt_bytes(p.param_bytes),
+        fmt_bytes(p.output_bytes),
+        fmt_bytes(p.grad_output_bytes),
+        fmt_bytes(p.grad_input_bytes),
+        fmt_bytes(p.pool_planned_bytes),
+        _kinds_str(p.graph_nodes),
+        f"{ms:.1f}" if p.captures else "-",
+        ",".join(map(str, others)) if others else "-",
+    ]
+
+
+def _total_row(t: Totals) -> list[str]:
+    return ["", "", "total (distinct storages)", "", "", fmt_bytes(t.static_input_bytes), fmt_bytes(t.param_bytes),
+            fmt_bytes(t.output_bytes), fmt_bytes(t.grad_output_bytes), fmt_bytes(t.grad_input_bytes),
+            fmt_bytes(t.pool_planned_bytes), "-" if t.graph_nodes is None else str(t.graph_nodes),
+            f"{t.capture_seconds * 1e3:.1f}", ""]  # fmt: skip
+
+
+def _build_line(b: BuildSummary) -> str:
+    if b.warmup is None:
+        peak = "warmup peak not measured (eager engine)"
+    else:
+        w = b.warmup
+        peak = (
+            f"warmup peak {fmt_bytes(w.peak_bytes)} allocated, {fmt_bytes(w.delta_bytes)} above the "
+            f"{fmt_bytes(w.baseline_bytes)} before warmup"
+            + ("" if w.exact else " (upper bound: the device's earlier peak was higher)")
+        )
+    return (
+        f"build {b.build} ({b.engine}, {b.captures} capture(s), {b.seconds * 1e3:.1f} ms, warmup "
+        f"{b.warmup_seconds * 1e3:.1f} ms): {peak}" + ("; replay-order guard on" if b.debug_replay_order else "")
+    )
+
+
 def _format(r: MemoryReport) -> str:
     t = r.totals
     engines = sorted({p.engine for p in r.passes})
@@ -433,63 +525,15 @@ def _format(r: MemoryReport) -> str:
         f"gograph memory report: {t.passes} pass(es), {t.graphs} graph(s), engine {', '.join(engines)}, "
         f"{len(r.pools)} pool(s)"
     ]
-    header = [
-        "#",
-        "pass",
-        "label",
-        "state",
-        "seq f/b/w",
-        "inputs",
-        "params",
-        "outputs",
-        "grad out",
-        "grad in",
-        "nodes f/b/w",
-        "capture ms",
-        "shared",
-    ]
-    rows = []
-    for p in r.passes:
-        ms = sum(c.seconds for c in p.captures) * 1e3
-        others = sorted({s.other_pass_id for s in p.shared})
-        rows.append(
-            [
-                str(p.index),
-                str(p.pass_id),
-                p.label + (" [guard]" if p.replay_order_check else ""),
-                p.state,
-                _kinds_str(p.capture_seq),
-                fmt_bytes(p.static_input_bytes),
-                fmt_bytes(p.param_bytes),
-                fmt_bytes(p.output_bytes),
-                fmt_bytes(p.grad_output_bytes),
-                fmt_bytes(p.grad_input_bytes),
-                _kinds_str(p.graph_nodes),
-                f"{ms:.1f}" if p.captures else "-",
-                ",".join(map(str, others)) if others else "-",
-            ]
-        )
-    rows.append(
-        [
-            "",
-            "",
-            "total (distinct storages)",
-            "",
-            "",
-            fmt_bytes(t.static_input_bytes),
-            fmt_bytes(t.param_bytes),
-            fmt_bytes(t.output_bytes),
-            fmt_bytes(t.grad_output_bytes),
-            fmt_bytes(t.grad_input_bytes),
-            "-" if t.graph_nodes is None else str(t.graph_nodes),
-            f"{t.capture_seconds * 1e3:.1f}",
-            "",
-        ]
-    )
-    out += _table(header, rows, right=(0, 1, 5, 6, 7, 8, 9, 10, 11))
+    rows = [_pass_row(p) for p in r.passes] + [_total_row(t)]
+    out += _table(_HEADER, rows, right=(0, 1, 5, 6, 7, 8, 9, 10, 11, 12))
+    lent = sum(p.lent_param_grads for p in r.passes)
+    chained = sum(len(p.chained_slots) for p in r.passes)
     out.append(
-        f"static buffers: {fmt_bytes(t.static_bytes)} (inputs, outputs, grad buffers; "
-        f"parameters not included); sharing saves {fmt_bytes(t.shared_bytes)}"
+        f"static buffers: {fmt_bytes(t.static_bytes)} (inputs, outputs, grad buffers; parameters not included), "
+        f"{fmt_bytes(t.pool_planned_bytes)} of it pool-planned (not owned); sharing saves {fmt_bytes(t.shared_bytes)}"
+        + (f"; {chained} chained slot(s)" if chained else "")
+        + (f"; {lent} parameter grad(s) lent to .grad" if lent else "")
     )
     out.append("pools:")
     for pool in r.pools:
@@ -503,20 +547,6 @@ def _format(r: MemoryReport) -> str:
         out.append(f"  {pool.pool}: passes {','.join(map(str, pool.pass_ids))}; {mem}")
     if r.shared:
         out.append("shared storages:")
-        for s in r.shared:
-            out.append(f"  {fmt_bytes(s.nbytes)} on {s.device}: " + " = ".join(s.holders))
-    for b in r.builds:
-        if b.warmup is None:
-            peak = "warmup peak not measured (eager engine)"
-        else:
-            w = b.warmup
-            peak = (
-                f"warmup peak {fmt_bytes(w.peak_bytes)} allocated, {fmt_bytes(w.delta_bytes)} above the "
-                f"{fmt_bytes(w.baseline_bytes)} before warmup"
-                + ("" if w.exact else " (upper bound: the device's earlier peak was higher)")
-            )
-        out.append(
-            f"build {b.build} ({b.engine}, {b.captures} capture(s), {b.seconds * 1e3:.1f} ms, warmup "
-            f"{b.warmup_seconds * 1e3:.1f} ms): {peak}" + ("; replay-order guard on" if b.debug_replay_order else "")
-        )
+        out += [f"  {fmt_bytes(s.nbytes)} on {s.device}: " + " = ".join(s.holders) for s in r.shared]
+    out += [_build_line(b) for b in r.builds]
     return "\n".join(out)

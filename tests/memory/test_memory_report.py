@@ -141,7 +141,7 @@ def test_parameter_names_in_slots_and_params_not_reported_as_shared():
     assert len(slots) == 1 + len(list(model.parameters()))
     from gograph.memory import _slots
 
-    names = [name for cat, name, _, is_param in _slots(model.forward) if cat == "grad_input"]
+    names = [name for cat, name, _, is_param, _planned in _slots(model.forward) if cat == "grad_input"]
     assert names[0] == "grad_input[0.weight]"  # the input did not require grad: no grad buffer
 
 
