@@ -60,6 +60,7 @@ def _train_pipeline(
     chain: bool,
     make_layer: Any = Block,
     iters: int = 3,
+    chain_buffers: bool = False,
 ) -> tuple[Any, ...]:
     """Trains a ref (eager) and a graphed copy of the same layers through ``order`` for
     ``iters`` SGD iterations and checks outputs, input grads, params and grads bitwise."""
@@ -76,6 +77,7 @@ def _train_pipeline(
         _order=order,
         _num_layers_per_chunk=layers,
         _reuse_graph_input_output_buffers=reuse,
+        chain_buffers=chain_buffers,
     )
     assert isinstance(graphed, tuple) and len(graphed) == n * microbatches
     assert all(isinstance(g, gograph.GraphedCallable) for g in graphed)
@@ -161,6 +163,23 @@ def test_interleaved_2_chunks_2_layers_2_microbatches(device: str, reuse: bool) 
     if reuse:
         stats = graphed[0].buffer_reuse
         assert stats.slots <= stats.te_fifo < stats.buffers
+    for g in graphed:
+        g.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reuse", [False, True], ids=["no-reuse", "reuse"])
+def test_chained_layers_in_an_interleaved_pipeline(device: str, reuse: bool) -> None:
+    """chain_buffers on a schedule: layer 2 of a chunk reads layer 1's output buffer of the same
+    microbatch; the pipeline stays bitwise eager, with and without slot reuse."""
+    graphed = _train_pipeline(device, ORDER_2x2x2, [2, 2], 2, reuse, chain=True, chain_buffers=True)
+    # pass index: chunk prefix * microbatches + microbatch * layers + layer
+    for first in (0, 2, 4, 6):
+        a, b = graphed[first], graphed[first + 1]
+        assert b.chained_inputs == {0} and a.chained_grad_outputs == {0}
+        assert b.static_input_surface[0].data_ptr() == a.static_outputs[0].data_ptr()
+        assert a.chained_inputs == frozenset()  # a chunk's first layer takes a received tensor
+    assert all(g.lent_param_grads == 0 for g in graphed)  # .grad stays owned on schedules
     for g in graphed:
         g.reset()
 
