@@ -27,7 +27,7 @@ for w in "${what[@]}"; do
     hostmem) timeout 200 python3 bench/host_memory.py --cycles 200 2>&1 | tee "$out/host_memory.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     capture) timeout 300 python3 bench/capture_time.py --rounds 21 --json "$out/capture.json" 2>&1 | tee "$out/capture.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     pipeline) timeout 200 python3 bench/pipeline.py --json "$out/pipeline.json" 2>&1 | tee "$out/pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    footprint) timeout 500 python3 bench/footprint.py --arms eager,torch,gograph,gograph:chain_buffers=true \
+    footprint) timeout 500 python3 bench/footprint.py --jobs 4 --arms eager,torch,gograph,gograph:chain_buffers=true,gograph:chain_buffers=true+shared_samples=true \
                  --json "$out/footprint.json" 2>&1 | tee "$out/footprint.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
