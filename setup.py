@@ -121,6 +121,7 @@ class BuildGopy(build_ext):
                 "-dynamic-link=true",
                 "-no-make",
                 "-no-warn",
+                "-symbols=false",  # -ldflags="-s -w" and -s for the C link: a stripped extension
                 *args,
                 GO_PACKAGE,
             ],

@@ -115,7 +115,7 @@ def _grad_output_buffer(
     src = program.grad_outputs.get((st.index, k))
     if src is not None and src.kind == _plan.CHAINED:
         buf = build.states[src.pass_index].static_grad_inputs[src.index]
-        if buf is not None and _reuse.tensor_signature(buf) == _reuse.tensor_signature(o):
+        if isinstance(buf, torch.Tensor) and _reuse.tensor_signature(buf) == _reuse.tensor_signature(o):
             st.chained_grad_outputs.add(k)
             return buf
     if src is not None and src.kind == _plan.SLOT:

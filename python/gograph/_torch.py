@@ -127,4 +127,5 @@ def cpp_function_apply(function_class: type) -> Callable[..., Any]:
     """The C++ ``apply`` of an autograd Function class, below torch's Python classmethod (which
     maps pytree over every argument to unwrap functorch wrappers: more than half of a small
     graphed call's host time). Use only outside functorch transforms."""
-    return super(torch.autograd.Function, function_class).apply  # type: ignore[misc]
+    apply: Callable[..., Any] = super(torch.autograd.Function, function_class).apply  # type: ignore[misc]
+    return apply
