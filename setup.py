@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,13 +46,33 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run(cmd, cwd=HERE, env=env, check=True)
 
 
+def _go_mod_version() -> tuple[int, ...]:
+    for line in (HERE / "go.mod").read_text().splitlines():
+        if line.startswith("go "):
+            return tuple(int(x) for x in line.split()[1].split(".")[:2])
+    return (1, 26)
+
+
 def _require_go() -> str:
+    """Go and a C compiler, checked before anything is built: an old Go otherwise fails deep in
+    the build with ``go.mod: invalid go version``."""
+    want = _go_mod_version()
     go = shutil.which("go")
     if go is None:
         raise RuntimeError(
-            "building gograph needs the Go toolchain (go >= 1.26) on PATH: "
-            "install Go from your package manager or go.dev, then retry"
+            f"building gograph needs the Go toolchain (go >= {'.'.join(map(str, want))}) on PATH: "
+            "install it from go.dev/dl (distribution packages are often older), then retry"
         )
+    out = subprocess.run([go, "env", "GOVERSION"], check=False, capture_output=True, text=True).stdout.strip()
+    have = tuple(int(x) for x in re.findall(r"\d+", out)[:2]) if out.startswith("go") else ()
+    if have and have < want:
+        raise RuntimeError(
+            f"building gograph needs go >= {'.'.join(map(str, want))}; {go} is {out}: "
+            "install a newer Go from go.dev/dl and put it first on PATH"
+        )
+    cc = os.environ.get("CC", "").split()
+    if not (cc and shutil.which(cc[0])) and not (shutil.which("cc") or shutil.which("gcc")):
+        raise RuntimeError("building gograph needs a C compiler for cgo: install gcc (or set CC), then retry")
     return go
 
 
