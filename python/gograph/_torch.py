@@ -9,8 +9,9 @@ place to change.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "set_stream",
     "storage_use_count",
     "synchronize",
+    "tensor_hooks_suspended",
 ]
 
 # -- devices and streams (torch.cuda.device / torch.cuda.stream, without their Python layers) --
@@ -129,3 +131,30 @@ def cpp_function_apply(function_class: type) -> Callable[..., Any]:
     graphed call's host time). Use only outside functorch transforms."""
     apply: Callable[..., Any] = super(torch.autograd.Function, function_class).apply  # type: ignore[misc]
     return apply
+
+
+# -- tensor hooks (Tensor.register_hook) --
+@contextlib.contextmanager
+def tensor_hooks_suspended(tensors: Iterable[Tensor | None]) -> Iterator[None]:
+    """Hooks registered with ``Tensor.register_hook`` on ``tensors`` do not fire inside.
+
+    The eager engine replays a backward by running autograd over the real parameters; the
+    graphed backward's result then reaches each parameter through the outer autograd, which fires
+    its hooks. Running them inside as well would fire each hook twice (and apply a hook that
+    changes the grad twice), where a CUDA replay runs no autograd at all. A tensor's
+    ``_backward_hooks`` dict is what autograd's C++ pre-hook iterates at call time, so emptying
+    that same dict suspends them (checked on torch 2.9-2.11); the items go back in order."""
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+    for t in tensors:
+        hooks = getattr(t, "_backward_hooks", None) if t is not None else None
+        if hooks:
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            added = list(hooks.items())  # registered while suspended: keep them, after the old ones
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)

@@ -587,7 +587,8 @@ class EagerEngine(Engine):
                     f"gograph eager engine: backward replay of pass {pass_id} without a forward replay since "
                     "the previous backward; a CUDA graph would silently reuse the activations of the latest forward"
                 )
-            with torch.enable_grad():
+            # the parameters' own hooks fire once, in the outer autograd, as after a CUDA replay
+            with torch.enable_grad(), _torch.tensor_hooks_suspended(getattr(entry.body, "inputs", ())):
                 new = tuple(entry.body(live))
             del live
         else:
