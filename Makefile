@@ -28,7 +28,8 @@ $(VENV)/.ready: pyproject.toml
 	$(Q)$(PYTHON) -m venv $(VENV)
 	$(Q)$(PY) -m pip install -q --upgrade pip
 	$(Q)$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel \
-		"nvidia-cuda-runtime-cu12>=12.4,<13" "ruff==0.17.6" "mypy==2.4.1"
+		"nvidia-cuda-runtime-cu12>=12.4,<13" "ruff==0.17.6" "mypy==2.4.1" \
+		"transformers==5.24.0; python_version >= '3.11'"
 	$(Q)touch $@
 
 # Builds both flavors in place (python/gograph/_core_cpu, _core_cuda) for the venv's CPython.
