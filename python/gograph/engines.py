@@ -510,6 +510,24 @@ class _EagerEntry:
     body_args: tuple[Any, ...]
     static: tuple[torch.Tensor | None, ...]
     grad_enabled: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...] = ()  # (device type, enabled, dtype) at capture
+    autocast_cache: bool = True
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+def _as_captured(entry: _EagerEntry) -> contextlib.ExitStack:
+    """The autocast state of the capture: a CUDA graph replays the kernels it recorded, whatever
+    autocast says at replay time, so the eager engine's re-run must see the capture's state."""
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in entry.autocast:
+        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=entry.autocast_cache))
+    return stack
 
 
 @dataclass
@@ -570,7 +588,9 @@ class EagerEngine(Engine):
         # capture-time arguments are not kept (they hold the capture's autograd graph).
         args = body_args if kind == FORWARD else ()
         record = self._passes.setdefault(pass_id, _EagerPassRecord())
-        record.entries[kind] = _EagerEntry(body, args, static, torch.is_grad_enabled())
+        record.entries[kind] = _EagerEntry(
+            body, args, static, torch.is_grad_enabled(), _autocast_state(), torch.is_autocast_cache_enabled()
+        )
         return result, seq
 
     def replay(self, pass_id: int, kind: int) -> None:
@@ -588,11 +608,15 @@ class EagerEngine(Engine):
                     "the previous backward; a CUDA graph would silently reuse the activations of the latest forward"
                 )
             # the parameters' own hooks fire once, in the outer autograd, as after a CUDA replay
-            with torch.enable_grad(), _torch.tensor_hooks_suspended(getattr(entry.body, "inputs", ())):
+            with (
+                torch.enable_grad(),
+                _as_captured(entry),
+                _torch.tensor_hooks_suspended(getattr(entry.body, "inputs", ())),
+            ):
                 new = tuple(entry.body(live))
             del live
         else:
-            with torch.set_grad_enabled(entry.grad_enabled):
+            with torch.set_grad_enabled(entry.grad_enabled), _as_captured(entry):
                 new = tuple(entry.body(*entry.body_args))
             if kind == FORWARD and BACKWARD in record.entries:
                 record.live_outputs = new
