@@ -647,3 +647,12 @@ def test_backward_twice_with_retain_graph_in_backward_is_allowed(cuda_device):
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad)
     m.reset()
+
+
+@pytest.mark.parametrize("pool", [[1], 123, "pool", (0, 0)])
+def test_a_pool_that_is_no_token_is_refused_up_front(pool):
+    """On the eager engine too: a TypeError before any warmup, nothing left behind."""
+    calls = []
+    with pytest.raises(TypeError, match="pool must be a"):
+        mgc(lambda a: (calls.append(1), a * 2)[1], (torch.randn(4),), pool=pool)
+    assert calls == [] and gograph.live_passes() == 0 and gograph.live_plans() == 0
