@@ -168,10 +168,19 @@ def test_errors_from_the_core_do_not_leak():
     _warm_go_heap()
     for _ in range(20000):
         fail()
-    r0 = rss_bytes()
-    for _ in range(60000):
-        fail()
-    per_call = (rss_bytes() - r0) / (60000 * 5)
+
+    def window() -> float:
+        r0 = rss_bytes()
+        for _ in range(60000):
+            fail()
+        return (rss_bytes() - r0) / (60000 * 5)
+
+    # A leak grows in every window (the one this guards against was ~31 B per call); RSS noise
+    # (a page or two of the Go heap or Python's arenas) reads up to ~2 B in one window and not
+    # in the next, so a window over the bound is measured once more.
+    per_call = window()
+    if per_call >= 2:
+        per_call = min(per_call, window())
     print(f"\ncore errors: {per_call:+.2f} B per failing core call")
     assert per_call < 2
 
