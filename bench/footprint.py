@@ -79,7 +79,44 @@ def pool_split() -> dict[str, int]:
     return {"pool_reserved_bytes": pools, "other_reserved_bytes": other}
 
 
-def run_cell(name: str, arm: str, mode: str, steps: int, small: bool, detail: bool = False) -> dict[str, Any]:
+class Trace:
+    """Where reserved memory sits at each point of the first steps (``--trace``): after each
+    pass's forward, when each pass's output grad arrives in backward, after backward and after
+    the optimizer. Reads the allocator snapshot, so it is slow; nothing timed runs with it."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.step, self.points = steps, 0, []  # type: ignore[var-annotated]
+
+    def mark(self, what: str) -> None:
+        if self.step < self.steps:
+            split = pool_split()
+            self.points.append(
+                {
+                    "step": self.step,
+                    "at": what,
+                    "allocated": torch.cuda.memory_allocated(),
+                    "max_reserved": torch.cuda.max_memory_reserved(),
+                    **split,
+                }
+            )
+
+    def wrap(self, calls: list[Any]) -> list[Any]:
+        def traced(i: int, call: Any) -> Any:
+            def run(*args: Any) -> Any:
+                out = call(*args)
+                self.mark(f"fwd {i}")
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda g: self.mark(f"bwd {i} grad-out") or None)
+                return out
+
+            return run
+
+        return [traced(i, c) for i, c in enumerate(calls)]
+
+
+def run_cell(
+    name: str, arm: str, mode: str, steps: int, small: bool, detail: bool = False, trace: int = 0
+) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device())
     if name == "blocks":  # SDPA's backward is deterministic only in deterministic mode (every arm alike)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -95,6 +132,8 @@ def run_cell(name: str, arm: str, mode: str, steps: int, small: bool, detail: bo
     graphed = None
     if maker == "eager":
         calls: list[Any] = wl.eager_calls(layers)
+        if kwargs.get("copies"):
+            calls = wl.static_copies(calls)
     else:
         calls, graphed = graph(maker, kwargs, wl, layers, device)
         torch.cuda.synchronize()
@@ -103,15 +142,24 @@ def run_cell(name: str, arm: str, mode: str, steps: int, small: bool, detail: bo
         if detail:
             result["after_build"] = {**pool_split(), "allocated": torch.cuda.memory_allocated() - base_alloc}
     gen = torch.Generator(device=device).manual_seed(1)
-    for _ in range(steps):
+    tr = Trace(trace)
+    if trace:
+        tr.mark("before steps")
+        calls = tr.wrap(calls)
+    for s in range(steps):
+        tr.step = s
         wl.step(calls, wl.batch(gen, device))
+        tr.mark("after backward")
         opt.step()
+        tr.mark("after optimizer")
         opt.zero_grad(set_to_none=MODES[mode])
     torch.cuda.synchronize()
     result["peak_reserved"] = torch.cuda.max_memory_reserved() - base_res
     result["peak_allocated"] = torch.cuda.max_memory_allocated() - base_alloc
     result["digest"] = param_digest(layers)
     result.update(pool_split())
+    if trace:
+        result["trace"] = tr.points
     if graphed is not None:
         totals = gograph.memory_report(graphed).totals
         result["report_static_bytes"] = totals.static_bytes
@@ -170,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--detail", action="store_true", help="with --cell: memory report and pool split")
+    ap.add_argument("--trace", type=int, default=0, metavar="N", help="with --cell: memory by pool during N steps")
     ap.add_argument("--cell", nargs=3, metavar=("WORKLOAD", "ARM", "MODE"), help="run one cell here")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and gograph.cuda_available()):
@@ -178,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if args.cell:
-        print(json.dumps(run_cell(*args.cell, steps=args.steps, small=args.small, detail=args.detail)))
+        print(
+            json.dumps(run_cell(*args.cell, steps=args.steps, small=args.small, detail=args.detail, trace=args.trace))
+        )
         return 0
     cells = []
     for name in args.workloads.split(","):
@@ -191,15 +242,21 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append((name, arm, mode))
     # Each cell is its own process with its own allocator, so cells may share the GPU (--jobs):
     # memory peaks are per process; only timings would interfere, and none are reported here.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        rows = list(pool.map(lambda c: run_fresh(*c, args.steps, args.small), cells))
+    run_cells(lambda c: run_fresh(*c, args.steps, args.small), cells, args.jobs, table, args.json)
+    return 0
+
+
+def run_cells(run: Any, cells: list[Any], jobs: int, tabulate: Any, json_path: str | None) -> None:
+    """Runs ``cells`` (``jobs`` at once), prints each row as JSON and then ``tabulate(rows)``,
+    and writes the rows to ``json_path`` when given."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        rows = list(pool.map(run, cells))
     for r in rows:
         print(json.dumps(r), flush=True)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+    print(tabulate(rows))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

@@ -184,6 +184,28 @@ class Workload:
                 outs.pop((c, m)).backward(batch.grads[c * M + m])
                 batch.inputs[c * M + m].grad = None  # sent to the previous rank (dropped here)
 
+    def static_copies(self, calls: Sequence[Callable[..., Any]]) -> list[Callable[..., Any]]:
+        """Eager calls that also make the copies any CUDA graph needs (the ``eager:copies=1``
+        arm, the floor of graphed training): the first layer of each chain (chunk) reads a copy
+        of its input (a graph's static input: a second tensor beside the caller's, live until
+        the backward), and the last layer's incoming grad is copied before its backward (a
+        graph's static grad-output buffer)."""
+        first = {p for p in range(len(calls)) if p % self.layers_per_chunk == 0} if self.order else {0}
+        last = {p for p in range(len(calls)) if p % self.layers_per_chunk == self.layers_per_chunk - 1}
+        if self.order is None:
+            last = {len(calls) - 1}
+
+        def wrapped(p: int, call: Callable[..., Any]) -> Callable[..., Any]:
+            def run(x: Tensor) -> Tensor:
+                out = call(x.clone() if p in first else x)
+                if p in last and out.requires_grad:
+                    out.register_hook(lambda g: g.clone())
+                return out
+
+            return run
+
+        return [wrapped(p, c) for p, c in enumerate(calls)]
+
     def eager_calls(self, layers: Sequence[torch.nn.Module]) -> list[Callable[..., Any]]:
         """The per-pass callables of the eager arm (the pipeline's passes reuse their layer)."""
         if self.order is None:

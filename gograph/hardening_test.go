@@ -240,6 +240,7 @@ func surface() map[string]error {
 	_, errs["plan_steps"] = PlanSteps(1)
 	_, errs["plan_warmup"] = PlanWarmup(1, 1, false)
 	_, errs["plan_capture"] = PlanCapture(1, "", false, false, false)
+	_, errs["plan_memory"] = PlanMemory(1, "", false, false, false, "")
 	_, errs["free_plan"] = FreePlan(1)
 	_, errs["trigger_panic_for_test"] = TriggerPanicForTest()
 	return errs

@@ -11,6 +11,7 @@ import (
 	"fmt"
 
 	"github.com/gograph/gograph/internal/lifetime"
+	"github.com/gograph/gograph/internal/memplan"
 	"github.com/gograph/gograph/internal/schedule"
 )
 
@@ -115,3 +116,35 @@ func FreePlan(plan int64) (known bool, err error) {
 // LivePlans returns how many plans are held (leak checks: a build frees its
 // plan when it ends, failed or not).
 func LivePlans() int { return store.Live() }
+
+// PlanMemory predicts the memory of plan's build before anything is
+// captured: the capture program PlanCapture returns for the same facts and
+// options, run over what one eager warmup iteration allocated (trace,
+// memplan.ParseTrace's format) through a model of the caching allocator.
+// It returns memplan.Result.Encode's text: the pool's reserved bytes, peak
+// and live allocation and segments, the warmup's own peak, and the pool
+// after each capture op.
+func PlanMemory(plan int64, facts string, reuse, chain, release bool, trace string) (prediction string, err error) {
+	defer recoverPanic("plan_memory", &err)
+	p, err := store.Get(plan)
+	if err != nil {
+		return "", fmt.Errorf("plan_memory: %w", err)
+	}
+	f, err := lifetime.ParseFacts(facts, p.Passes)
+	if err != nil {
+		return "", fmt.Errorf("plan_memory: %w", err)
+	}
+	prog, err := lifetime.Capture(p, f, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	if err != nil {
+		return "", fmt.Errorf("plan_memory: %w", err)
+	}
+	tr, err := memplan.ParseTrace(trace, p.Passes)
+	if err != nil {
+		return "", fmt.Errorf("plan_memory: %w", err)
+	}
+	res, err := memplan.Simulate(prog, tr)
+	if err != nil {
+		return "", fmt.Errorf("plan_memory: %w", err)
+	}
+	return res.Encode(), nil
+}

@@ -104,3 +104,27 @@ func TestPlanHandles(t *testing.T) {
 		t.Fatalf("LivePlans = %d, want %d", LivePlans(), before)
 	}
 }
+
+func TestPlanMemory(t *testing.T) {
+	h := planOf(t, "", "", 1, 1, true, 1)
+	facts := "pass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n"
+	trace := "step 0 f 0\na 1 67108864 0\na 2 67108864 0\nstep 1 b 0\nr 1 1\na 3 67108864 1\nstep 2 x 0\nr 2 -1\nr 3 -1\nout 0 0 2\ngrad 0 0 3\n"
+	got, err := PlanMemory(h, facts, false, false, true, trace)
+	if err != nil || !strings.HasPrefix(got, "pool 134217728 134217728 134217728 2\nwarmup 134217728 134217728\nop F 0 134217728 134217728\n") {
+		t.Errorf("PlanMemory = %q, %v", got, err)
+	}
+	for _, bad := range []struct {
+		plan         int64
+		facts, trace string
+		want         string
+	}{
+		{0, facts, trace, "plan_memory: unknown plan handle 0"},
+		{h, "in 7 0 0 0 0", trace, "plan_memory: facts line 0"},
+		{h, facts, "a 1 1 5", "plan_memory: trace line 1"},
+		{h, facts, "a 1 1 -1\na 1 1 -1", "plan_memory: warmup: allocsim: allocation 1 is already live"},
+	} {
+		if _, err := PlanMemory(bad.plan, bad.facts, false, false, true, bad.trace); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
+			t.Errorf("PlanMemory(%d, %q, %q): %v, want %q", bad.plan, bad.facts, bad.trace, err, bad.want)
+		}
+	}
+}

@@ -2,7 +2,7 @@
 # Runs on the GPU machine (the device tool), in a copy of this repo whose
 # python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
 # Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem] [capture]
-#                                [footprint] [steptime]
+#                                [footprint] [steptime] [plan]
 #        (default: tests demo)
 # Logs go to $OUT (the device tool's return folder) when set.
 set -uo pipefail
@@ -27,12 +27,13 @@ for w in "${what[@]}"; do
     hostmem) timeout 200 python3 bench/host_memory.py --cycles 200 2>&1 | tee "$out/host_memory.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     capture) timeout 300 python3 bench/capture_time.py --rounds 21 --json "$out/capture.json" 2>&1 | tee "$out/capture.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     pipeline) timeout 200 python3 bench/pipeline.py --json "$out/pipeline.json" 2>&1 | tee "$out/pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    footprint) timeout 500 python3 bench/footprint.py --jobs 4 --arms eager,torch,gograph,gograph:chain_buffers=true,gograph:chain_buffers=true+shared_samples=true \
+    plan) timeout 300 python3 bench/plan_accuracy.py --jobs 5 --json "$out/plan.json" 2>&1 | tee "$out/plan.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    footprint) timeout 500 python3 bench/footprint.py --jobs 4 --arms eager,eager:copies=1,torch,gograph,gograph:chain_buffers=true,gograph:chain_buffers=true+shared_samples=true \
                  --json "$out/footprint.json" 2>&1 | tee "$out/footprint.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, steptime)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, steptime, plan)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"

@@ -29,6 +29,7 @@ from .engines import CudaEngine, EagerEngine, EagerPool, Engine
 from .graphed import ChainedInputError, GraphedCallable, StaticInputMismatchError
 from .graphs import GraphedModule, graph_pool_handle, live_graphs, live_passes, live_plans, make_graphed_callables
 from .memory import MemoryReport, memory_report
+from .planning import MemoryPlan, plan_memory
 
 
 def _version() -> str:
@@ -63,6 +64,7 @@ __all__ = [
     "Engine",
     "GraphedCallable",
     "GraphedModule",
+    "MemoryPlan",
     "MemoryReport",
     "ScheduleError",
     "StaticInputMismatchError",
@@ -78,4 +80,5 @@ __all__ = [
     "make_graphed_callables",
     "megatron_order",
     "memory_report",
+    "plan_memory",
 ]

@@ -26,7 +26,7 @@ from . import _core, _observe, _plan, _reuse
 from ._args import PassSpec, Request
 from ._captures import apply_slots, run_captures
 from ._state import PassState
-from ._warmup import run_warmup
+from ._warmup import WarmupObserver, run_warmup
 from .engines import CudaEngine, Engine
 from .graphed import GraphedCallable, PassResult, Shared, lent_grads
 
@@ -82,7 +82,7 @@ class Build:
             pass_id = self.engine.new_pass(spec.index, spec.label)
             self.states.append(PassState(spec, pass_id))
 
-    def _warmup(self) -> None:
+    def _warmup(self, observer: WarmupObserver | None = None) -> None:
         self.phase = "warmup"
         req = self.req
         ops = _plan.warmup_program(self.schedule, req.num_warmup_iters, req.hooks.hooks is not None)
@@ -92,7 +92,7 @@ class Build:
             if req.pre_warmup_hook is not None:
                 req.pre_warmup_hook()
             try:
-                run_warmup(self, ops)
+                run_warmup(self, ops, observer)
             except BaseException:
                 if req.post_warmup_hook is not None:  # TransformerEngine runs it even when warmup fails
                     try:

@@ -52,6 +52,7 @@ NAMES = (
     "plan_steps",
     "plan_warmup",
     "plan_capture",
+    "plan_memory",
     "free_plan",
     "live_plans",
     "capture_seq",

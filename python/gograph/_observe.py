@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import logging
 import os
 import threading
@@ -39,6 +40,12 @@ _MiB = 1024.0 * 1024.0
 def debug_env() -> bool:
     """True when ``GOGRAPH_DEBUG`` asks for debug checks ("1", "true", "yes", "on")."""
     return os.environ.get("GOGRAPH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def json_text(d: dict[str, Any], **kwargs: Any) -> str:
+    """``json.dumps(d, **kwargs)``, ``indent=2`` unless given (reports' and plans' ``to_json``)."""
+    kwargs.setdefault("indent", 2)
+    return json.dumps(d, **kwargs)
 
 
 def fmt_bytes(n: int | None) -> str:

@@ -18,8 +18,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "allocator_history_enabled",
     "autograd_log_quiet",
     "begin_allocate_to_pool",
+    "clear_cublas_workspaces",
     "cpp_function_apply",
     "current_raw_stream",
     "current_stream",
@@ -93,6 +95,17 @@ def memory_stats(device_index: int) -> dict[str, Any]:
 
 
 # -- storages ---------------------------------------------------------------------------------
+def allocator_history_enabled() -> bool:
+    """Whether ``torch.cuda.memory._record_memory_history`` is recording (torch >= 2.1)."""
+    return bool(torch._C._cuda_isHistoryEnabled())
+
+
+def clear_cublas_workspaces() -> None:
+    """Frees the cuBLAS / cuBLASLt workspaces torch caches per (handle, stream); the next matmul
+    on a stream allocates its workspace again (``torch._C._cuda_clearCublasWorkspaces``)."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def nonowning_view(t: Tensor) -> Tensor:
     """A tensor over ``t``'s memory that does not own it: dropping every owning reference hands a
     graph-pool block back to its pool for later captures, while graphs keep writing the same

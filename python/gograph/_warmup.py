@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -39,7 +39,18 @@ def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device
             )
 
 
-def run_warmup(build: Any, ops: Sequence[_plan.Op]) -> None:
+class WarmupObserver(Protocol):
+    """Sees every warmup op (``gograph.plan_memory`` records allocations per op): ``op`` before
+    op ``i`` runs and once more with ``i == len(ops)`` at the end, ``forward`` after a forward
+    (its outputs in ``st.warm_outputs``), ``backward`` after a backward with the incoming grads
+    it made and, per tensor of the grad surface it differentiated, (tensor, grad)."""
+
+    def op(self, i: int) -> None: ...
+    def forward(self, i: int, st: PassState) -> None: ...
+    def backward(self, i: int, st: PassState, incoming: Sequence[Any], grads: Sequence[tuple[Any, Any]]) -> None: ...
+
+
+def run_warmup(build: Any, ops: Sequence[_plan.Op], observer: WarmupObserver | None = None) -> None:
     """Runs ``ops`` (``build`` is the :class:`gograph._build.Build`: states, engine, hooks,
     callables, and ``current`` for error messages)."""
     marker = build.engine.rng_marker
@@ -49,12 +60,20 @@ def run_warmup(build: Any, ops: Sequence[_plan.Op]) -> None:
         st: PassState = states[op.pass_index]
         build.current = st
         kind = op.kind
+        if observer is not None:
+            observer.op(i)
         if kind == _plan.WARM_FORWARD:
             warm_forward(st, callables[st.spec.callable_index], hooks, build.device)
+            if observer is not None:
+                observer.forward(i, st)
             slot = 0
         elif kind == _plan.WARM_BACKWARD:
             st.warm_backwards += 1
-            warm_backward(st, callables[st.spec.callable_index], hooks, req.allow_unused_input, st.warm_backwards - 1)
+            done = warm_backward(
+                st, callables[st.spec.callable_index], hooks, req.allow_unused_input, st.warm_backwards - 1
+            )
+            if observer is not None and done is not None:
+                observer.backward(i, st, *done)
             slot = 1
         elif kind == _plan.WARM_WGRAD:
             warm_dw(st, build, _plan.WGRAD_STEP, build.schedule.step_entry(st.index, _plan.WGRAD_STEP))
@@ -69,6 +88,8 @@ def run_warmup(build: Any, ops: Sequence[_plan.Op]) -> None:
         if kind == _plan.WARM_BACKWARD and st.wgrad_modules and st.index not in build.schedule.wgrad_passes:
             warm_dw(st, build, _plan.BACKWARD_STEP, build.schedule.step_entry(st.index, _plan.BACKWARD_STEP))
             at = marker()  # TransformerEngine runs it right after the backward
+    if observer is not None:
+        observer.op(len(ops))
 
 
 def _flag(st: PassState, slot: int, before: Any, after: Any) -> Any:
@@ -110,15 +131,18 @@ def warm_forward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, device: 
     st.warm_outputs = outputs
 
 
-def warm_backward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, allow_unused_input: bool, it: int) -> None:
+def warm_backward(
+    st: PassState, func: Any, hooks: _te.CaptureTimeHooks, allow_unused_input: bool, it: int
+) -> tuple[tuple[Tensor | None, ...], tuple[tuple[Tensor, Tensor | None], ...]] | None:
     """One warmup backward of the latest warmup forward, with TransformerEngine's grad rules when
-    ``st.te_grads``."""
+    ``st.te_grads``; returns the incoming grads it made and (tensor, its grad) for each tensor
+    differentiated (None when nothing ran)."""
     outputs = st.warm_outputs
     if outputs is None:
-        return
+        return None
     mask = tuple(o.requires_grad for o in outputs)
     if not any(mask):
-        return
+        return None
     grads = _zero_grads(st, outputs, mask, hooks.hooks is None)
     hooks.run("backward_pre_hooks", st.spec.callable_index, func)
     surface = st.grad_surface
@@ -132,6 +156,7 @@ def warm_backward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, allow_u
     if st.te_grads:
         n_user = sum(1 for t in st.flat_args if t.requires_grad)
         st.params = _te.kept_params(n_user, surface, result, st.params, allow_unused_input, it)
+    return grads, tuple(zip(surface, result))
 
 
 def _zero_grads(

@@ -23,7 +23,6 @@ these numbers up to that rounding.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _core
-from ._observe import KIND_NAMES, BuildStats, CaptureRecord, WarmupPeak, fmt_bytes
+from ._observe import KIND_NAMES, BuildStats, CaptureRecord, WarmupPeak, fmt_bytes, json_text
 
 __all__ = [
     "BuildSummary",
@@ -191,8 +190,7 @@ class MemoryReport:
 
     def to_json(self, **kwargs: Any) -> str:
         """``json.dumps(self.to_dict(), **kwargs)`` (``indent=2`` unless given)."""
-        kwargs.setdefault("indent", 2)
-        return json.dumps(self.to_dict(), **kwargs)
+        return json_text(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
         return _format(self)

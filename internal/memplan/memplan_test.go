@@ -1,0 +1,192 @@
+package memplan
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/gograph/gograph/internal/lifetime"
+	"github.com/gograph/gograph/internal/schedule"
+)
+
+const MiB = 1 << 20
+
+// twoLayerTrace is torch's per-callable warmup of two MLP-like layers
+// (f0 b0 x0 f1 b1 x1): each forward saves a 64 MiB activation and returns
+// a 64 MiB output; each backward frees the saved tensor, makes a 64 MiB
+// transient and returns a 64 MiB input grad and a 32 MiB weight grad.
+const twoLayerTrace = `
+step 0 f 0
+a 1 67108864 0
+a 2 67108864 0
+step 1 b 0
+a 3 67108864 1
+r 1 1
+a 4 67108864 1
+a 5 33554432 1
+r 3 1
+step 2 x 0
+r 2 -1
+r 4 -1
+r 5 -1
+step 3 f 1
+a 6 67108864 3
+a 7 67108864 3
+step 4 b 1
+a 8 67108864 4
+r 6 4
+a 9 67108864 4
+a 10 33554432 4
+r 8 4
+step 5 x 1
+r 7 -1
+r 9 -1
+r 10 -1
+out 0 0 2
+out 1 0 7
+grad 0 0 4
+grad 0 1 5
+grad 1 0 9
+grad 1 1 10
+`
+
+func program(t *testing.T, opt lifetime.Options) *lifetime.Program {
+	t.Helper()
+	p, err := schedule.Default(2, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	facts := make([]lifetime.Facts, 2)
+	for i := range facts {
+		facts[i] = lifetime.Facts{
+			Inputs:     []lifetime.InputLeaf{{Sig: 0, RequiresGrad: true, Unique: true, Slottable: true}},
+			NPos:       1,
+			Outputs:    []lifetime.OutputLeaf{{Sig: 0, RequiresGrad: true}},
+			ParamGrads: []lifetime.ParamLeaf{{Index: 1, Param: i, Sig: 1}},
+			Backward:   true,
+			Keys:       lifetime.Keys{Input: 0, Grad: 0},
+		}
+	}
+	prog, err := lifetime.Capture(p, facts, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return prog
+}
+
+func TestSimulate(t *testing.T) {
+	tr, err := ParseTrace(twoLayerTrace, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name                 string
+		opt                  lifetime.Options
+		reserved, peak, live int64
+	}{
+		// F0 F1: saved and output of both, 4 segments of 64. B1: its transient
+		// (a 5th), the freed saved block takes its input grad, the weight grad
+		// a 32 MiB segment, the transient dies. B0: the transient takes the
+		// free 64, the input grad the freed saved block, the weight grad a
+		// second 32: 384 reserved and, just before B0's transient dies, 384
+		// allocated; outputs and grads stay (320).
+		{"no release: every output and grad stays", lifetime.Options{}, 384 * MiB, 384 * MiB, 320 * MiB},
+		// Chain+Release: pass 1's input grad (layer 0's grad output) dies after B0.
+		{"chain releases the chained input grad", lifetime.Options{Chain: true, Release: true}, 384 * MiB, 384 * MiB, 256 * MiB},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			res, err := Simulate(program(t, c.opt), tr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.PoolReserved != c.reserved || res.PoolPeakAllocated != c.peak || res.PoolLive != c.live {
+				t.Errorf("reserved %d peak %d live %d MiB; want %d %d %d\n%s", res.PoolReserved/MiB, res.PoolPeakAllocated/MiB,
+					res.PoolLive/MiB, c.reserved/MiB, c.peak/MiB, c.live/MiB, res.Encode())
+			}
+			// f0 b0 peaks at 3x64+32; x0 frees it all and layer 1 reuses it.
+			if res.WarmupAllocated != 224*MiB || res.WarmupReserved != 224*MiB {
+				t.Errorf("warmup reserved %d allocated %d MiB, want 224, 224", res.WarmupReserved/MiB, res.WarmupAllocated/MiB)
+			}
+			if len(res.Unrecorded) != 0 {
+				t.Errorf("unrecorded %v", res.Unrecorded)
+			}
+			var sum int64
+			for _, s := range res.Segments {
+				sum += s
+			}
+			if sum != res.PoolReserved || len(res.Places) != 6 {
+				t.Errorf("segments %v (sum %d), places %v", res.Segments, sum, res.Places)
+			}
+			// Pass 1's input grad (block 9) went where its saved activation was (block 6).
+			if res.Places[9] != [2]int64{2, 0} {
+				t.Errorf("block 9 at %v, want segment 2 (block 6's)", res.Places[9])
+			}
+		})
+	}
+}
+
+func TestUnrecordedPass(t *testing.T) {
+	tr, err := ParseTrace("step 0 f 0\na 1 100 0\nout 0 0 1\n", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := Simulate(program(t, lifetime.Options{}), tr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := res.Unrecorded; len(got) != 3 || got[0] != 1 {
+		t.Errorf("unrecorded %v: pass 1's forward and both backwards were not recorded", got)
+	}
+	if !strings.Contains(res.Encode(), "unrecorded 1\n") {
+		t.Error(res.Encode())
+	}
+}
+
+func TestParseTraceErrors(t *testing.T) {
+	for _, bad := range []string{
+		"step 1 f 0",  // numbered out of order
+		"step 0 q 0",  // unknown kind
+		"step 0 f 9",  // pass out of range
+		"a 1 100 0",   // a step that does not exist
+		"a -1 100 -1", // negative block
+		"a 1 x -1",    // not a number
+		"r 1",         // short
+		"out 5 0 1",   // pass out of range
+		"grad 0 -1 1", // negative index
+		"what 1 2 3",  // unknown line
+	} {
+		if _, err := ParseTrace(bad, 2); err == nil {
+			t.Errorf("%q parsed", bad)
+		}
+	}
+}
+
+func FuzzSimulate(f *testing.F) {
+	f.Add(twoLayerTrace)
+	f.Fuzz(func(t *testing.T, s string) {
+		tr, err := ParseTrace(s, 2)
+		if err != nil {
+			return
+		}
+		p, _ := schedule.Default(2, true)
+		facts := make([]lifetime.Facts, 2)
+		for i := range facts {
+			facts[i] = lifetime.Facts{Inputs: []lifetime.InputLeaf{{Sig: 0, RequiresGrad: true, Unique: true}}, NPos: 1,
+				Outputs: []lifetime.OutputLeaf{{Sig: 0, RequiresGrad: true}}, Backward: true, Keys: lifetime.Keys{Input: -1, Grad: -1}}
+		}
+		prog, err := lifetime.Capture(p, facts, lifetime.Options{Chain: true, Release: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := Simulate(prog, tr)
+		if err != nil {
+			if !strings.Contains(err.Error(), "already live") && !strings.Contains(err.Error(), "bytes") {
+				t.Fatalf("unexpected error %v", err)
+			}
+			return
+		}
+		if res.PoolPeakAllocated > res.PoolReserved || res.PoolLive > res.PoolPeakAllocated || res.WarmupAllocated > res.WarmupReserved {
+			t.Fatalf("inconsistent %+v", res)
+		}
+	})
+}

@@ -1,0 +1,239 @@
+"""What one eager warmup iteration shows about a build, for :func:`gograph.plan_memory`.
+
+:class:`WarmupSizes` (both engines) keeps, per pass, the storage sizes of its first warmup
+forward's outputs and of the grads its first warmup backward returned: what the static buffers
+of the real build will hold. :class:`AllocationTrace` (CUDA) adds the caching allocator's alloc
+and free events of every warmup op, read from ``torch.cuda.memory``'s history, and writes them
+as the core's trace (docs/CORE_API.md): a capture allocates what its eager step allocated, so the
+core can replay those events through its allocator model in the capture program's order.
+
+Nothing here decides; :func:`probe` drives a :class:`gograph._build.Build` through its first
+phases (passes, warmup, planning) and rolls it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _plan, _reuse, _torch
+from ._build import Build
+from ._state import PassState
+from .engines import CudaEngine
+
+__all__ = ["AllocationTrace", "Probe", "WarmupSizes", "probe", "trace_text"]
+
+log = logging.getLogger("gograph")
+
+# Allocator history actions the trace does not need (segments are the model's business).
+_SKIP = ["segment_alloc", "segment_free", "segment_map", "segment_unmap", "snapshot", "oom", "free_requested"]
+
+
+class WarmupSizes:
+    """Sizes of each pass's outputs and grads, from its first warmup forward and backward.
+
+    ``outputs[p][k]``: (storage bytes, dense bytes) of output k -- the static output's storage,
+    and what ``empty_like`` of it (a grad-output buffer) takes. ``grads[p][j]``: storage bytes
+    of the grad at static-surface index j (user inputs first, then parameters)."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, list[tuple[int, int]]] = {}
+        self.grads: dict[int, dict[int, int]] = {}
+
+    def op(self, i: int) -> None:
+        pass
+
+    def forward(self, i: int, st: PassState) -> None:
+        if st.index in self.outputs or st.warm_outputs is None:
+            return
+        self.outputs[st.index] = [(_nbytes(o), o.numel() * o.element_size()) for o in st.warm_outputs]
+
+    def backward(self, i: int, st: PassState, incoming: Sequence[Any], grads: Sequence[tuple[Any, Any]]) -> None:
+        if st.index in self.grads:
+            return
+        index = {id(t): j for j, t in enumerate(st.surface)}
+        self.grads[st.index] = {index[id(t)]: _nbytes(g) for t, g in grads if isinstance(g, Tensor) and id(t) in index}
+
+
+def _nbytes(t: Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def _addr(t: Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+class AllocationTrace(WarmupSizes):
+    """:class:`WarmupSizes`, and the allocator's events per warmup op (a context manager that
+    records ``torch.cuda.memory`` history while open, unless the caller already records it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.marks: list[int] = []
+        self.out_addrs: list[tuple[int, int, int, int]] = []  # (op, pass, output, address)
+        self.grad_addrs: list[tuple[int, int, int, int]] = []  # (op, pass, surface index, address)
+        self.incoming: dict[int, set[int]] = {}  # op -> addresses of the incoming grads it made
+        self.entries: list[dict[str, Any]] = []
+        self._base = 0
+
+    def __enter__(self) -> AllocationTrace:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.memory._record_memory_history(
+            "all", context=None, stacks="python", device=self.device, clear_history=True, skip_actions=_SKIP
+        )
+        self._base = len(self._device_entries())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.entries = self._device_entries()[self._base :]
+            self.marks = [m - self._base for m in self.marks]
+        finally:
+            torch.cuda.memory._record_memory_history(None, device=self.device)
+
+    def _device_entries(self) -> list[dict[str, Any]]:
+        traces = torch.cuda.memory._snapshot(self.device)["device_traces"]
+        index = self.device.index or 0
+        return list(traces[index]) if index < len(traces) else []
+
+    def op(self, i: int) -> None:
+        self.marks.append(len(self._device_entries()))
+
+    def forward(self, i: int, st: PassState) -> None:
+        if st.index not in self.outputs and st.warm_outputs is not None:
+            self.out_addrs += [(i, st.index, k, _addr(o)) for k, o in enumerate(st.warm_outputs)]
+        super().forward(i, st)
+
+    def backward(self, i: int, st: PassState, incoming: Sequence[Any], grads: Sequence[tuple[Any, Any]]) -> None:
+        self.incoming.setdefault(i, set()).update(_addr(g) for g in incoming if isinstance(g, Tensor))
+        if st.index not in self.grads:
+            index = {id(t): j for j, t in enumerate(st.surface)}
+            self.grad_addrs += [
+                (i, st.index, index[id(t)], _addr(g)) for t, g in grads if isinstance(g, Tensor) and id(t) in index
+            ]
+        super().backward(i, st, incoming, grads)
+
+    def text(self, ops: Sequence[_plan.Op]) -> str:
+        """The core's trace of the recorded warmup (``ops``: the warmup program it ran)."""
+        return trace_text(ops, self.entries, self.marks, self.incoming, self.out_addrs, self.grad_addrs)
+
+
+def trace_text(
+    ops: Sequence[_plan.Op],
+    entries: Sequence[dict[str, Any]],
+    marks: Sequence[int],
+    incoming: dict[int, set[int]],
+    out_addrs: Sequence[tuple[int, int, int, int]],
+    grad_addrs: Sequence[tuple[int, int, int, int]],
+) -> str:
+    """Writes allocator history ``entries`` (dicts with ``action``, ``addr``, ``size``) as the
+    core's trace: ``marks[i]`` is the entry index at which op i began (``marks[len(ops)]`` the
+    end); allocations of the incoming grads an op made, and those never freed, are between ops
+    (the real build allocates grad-output buffers outside the pool, and finds caches made);
+    output and grad addresses name the block live at their op's end."""
+    lines: list[Any] = [f"step {i} {op.kind} {op.pass_index}" for i, op in enumerate(ops)]
+    live: dict[int, int] = {}
+    allocs: dict[int, list[Any]] = {}
+    bounds = [0, *marks, len(entries)]
+    for span in range(len(bounds) - 1):
+        i = span - 1 if 0 < span <= len(ops) else -1  # -1: before the first op, after the last
+        for e in entries[bounds[span] : bounds[span + 1]]:
+            action, addr = e.get("action"), int(e.get("addr", 0))
+            if action == "alloc":
+                bid = len(allocs) + 1
+                live[addr] = bid
+                step = -1 if i < 0 or addr in incoming.get(i, ()) else i
+                allocs[bid] = ["a", bid, int(e.get("size", 0)), step]
+                lines.append(allocs[bid])
+            elif action == "free_completed" and addr in live:
+                lines.append(f"r {live.pop(addr)} {i}")
+        if i >= 0:
+            lines += [f"out {p} {k} {live[a]}" for (o, p, k, a) in out_addrs if o == i and a in live]
+            lines += [f"grad {p} {j} {live[a]}" for (o, p, j, a) in grad_addrs if o == i and a in live]
+    # What warmup allocated and never freed is a cache made on first use (cuBLAS workspaces of
+    # gograph's side stream, ...): it adds to the warmup's peak, and a capture finds it made.
+    for bid in live.values():
+        allocs[bid][3] = -1
+    lines = [" ".join(map(str, ln)) if isinstance(ln, list) else ln for ln in lines]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Probe:
+    """What :func:`probe` learned: the passes (with what warmup set on them), the capture
+    program, the signatures, the sizes, and on CUDA the trace text (None elsewhere, or when the
+    caller records allocator history already)."""
+
+    states: list[PassState]
+    program: _plan.CaptureProgram
+    facts: str
+    release: bool
+    sizes: WarmupSizes
+    trace: str | None
+
+
+def probe(build: Build) -> Probe:
+    """Runs ``build``'s first phases -- passes, one warmup iteration (the request's
+    ``num_warmup_iters`` must be 1), planning -- and rolls it back: passes dropped, generator
+    state and module buffers restored. Captures nothing."""
+    req, engine = build.req, build.engine
+    rng = engine.get_rng_state()
+    build.stats = _observe_stats(engine)
+    sizes: WarmupSizes = WarmupSizes()
+    ops = _plan.warmup_program(build.schedule, 1, req.hooks.hooks is not None)
+    try:
+        with _module_buffers_restored(req.callables):
+            build._create_passes()
+            with _recording(engine) as recorder:
+                sizes = recorder if recorder is not None else sizes
+                build._warmup(observer=sizes)
+            release = isinstance(engine, CudaEngine)
+            facts = _reuse.facts_text(build.states, _reuse.Signatures(), req.clone_param_grads)
+            program = _plan.capture_program(build.schedule, facts, req.reuse, req.chain, release)
+            trace = recorder.text(ops) if recorder is not None else None
+            return Probe(list(build.states), program, facts, release, sizes, trace)
+    finally:
+        build.rollback(rng)
+
+
+def _observe_stats(engine: Any) -> Any:
+    from ._observe import BuildStats
+
+    return BuildStats.begin(engine)
+
+
+@contextlib.contextmanager
+def _recording(engine: Any) -> Iterator[AllocationTrace | None]:
+    """An allocation trace on the CUDA engine, unless the process records allocator history
+    already (its ring buffer and settings are the caller's: nothing is recorded then)."""
+    if not isinstance(engine, CudaEngine):
+        yield None
+        return
+    if _torch.allocator_history_enabled():
+        log.warning(
+            "gograph.plan_memory: torch.cuda.memory history is already being recorded; the pool "
+            "predictions need their own recording and are left out (stop recording to get them)"
+        )
+        yield None
+        return
+    with AllocationTrace(engine.device) as rec:
+        yield rec
+
+
+@contextlib.contextmanager
+def _module_buffers_restored(callables: Sequence[Any]) -> Iterator[None]:
+    """Module buffers (BatchNorm's running statistics, ...) as they were before the warmup."""
+    saved = [(b, b.detach().clone()) for c in callables if isinstance(c, torch.nn.Module) for b in c.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)

@@ -1,0 +1,182 @@
+"""gograph.plan_memory on the eager engine: its static bytes are what memory_report shows after
+the real call (default, chain_buffers, an _order pipeline with reuse), it leaves no trace, it
+refuses what make_graphed_callables refuses, and the trace it would send on CUDA is replayed by
+the core as the allocator would (a synthetic allocator history). CUDA accuracy is in
+test_plan_memory_cuda.py and bench/plan_accuracy.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import gograph
+from gograph import _core, _plan
+from gograph._probe import trace_text
+
+FEATURES = 8
+MiB = 2**20
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = torch.nn.Linear(FEATURES, 2 * FEATURES)
+        self.norm = torch.nn.BatchNorm1d(2 * FEATURES)
+        self.drop = torch.nn.Dropout(0.2)
+        self.fc2 = torch.nn.Linear(2 * FEATURES, FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.norm(self.fc1(x)))))
+
+
+def _samples(n: int, first_requires_grad: bool = False) -> tuple[tuple[torch.Tensor], ...]:
+    return tuple((torch.randn(4, FEATURES, requires_grad=i > 0 or first_requires_grad),) for i in range(n))
+
+
+PIPELINE = {"_order": [1, 2, -2, -1], "_num_layers_per_chunk": 2, "_reuse_graph_input_output_buffers": True}
+
+CASES = {
+    "default": (3, {}, False),
+    "chain": (3, {"chain_buffers": True}, False),
+    "pipeline": (4, {**PIPELINE, "chain_buffers": True}, True),
+}
+
+
+def _fields(p: Any) -> tuple[Any, ...]:
+    return (p.index, p.static_input_bytes, p.output_bytes, p.grad_output_bytes, p.grad_input_bytes,
+            p.param_grad_bytes, p.pool_planned_bytes, sorted(p.chained_slots), p.lent_param_grads)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_static_bytes_are_what_memory_report_shows(case: str) -> None:
+    n, kwargs, ordered = CASES[case]
+    layers = [Layer(i) for i in range(n)]
+    samples = _samples(n, first_requires_grad=ordered)
+    plan = gograph.plan_memory(tuple(layers), samples, **kwargs)
+    graphed = gograph.make_graphed_callables(tuple(layers), samples, **kwargs)
+    report = gograph.memory_report(graphed)
+    assert [_fields(p) for p in plan.passes] == [_fields(p) for p in report.passes]
+    assert plan.totals.static_bytes == report.totals.static_bytes
+    assert plan.totals.pool_planned_bytes == report.totals.pool_planned_bytes
+    if case != "default":
+        assert any(p.chained_slots for p in plan.passes)
+    for g in graphed:
+        g.reset()
+
+
+def test_leaves_no_trace() -> None:
+    layers = [Layer(i) for i in range(3)]
+    samples = _samples(3)
+    before_buffers = [[b.clone() for b in m.buffers()] for m in layers]
+    rng = torch.get_rng_state()
+    passes, plans = gograph.live_passes(), gograph.live_plans()
+    plan = gograph.plan_memory(tuple(layers), samples, chain_buffers=True)
+    assert torch.equal(rng, torch.get_rng_state()), "dropout's warmup draws must not move the generator"
+    assert all(torch.equal(a, b) for m, bs in zip(layers, before_buffers) for a, b in zip(m.buffers(), bs))
+    assert all(p.grad is None for m in layers for p in m.parameters())
+    assert (gograph.live_passes(), gograph.live_plans()) == (passes, plans)
+    assert all(m.forward.__func__ is Layer.forward for m in layers)  # type: ignore[attr-defined]
+    assert plan.totals.pool_reserved_bytes is None and plan.engine == "eager"
+
+
+def test_table_and_serialization() -> None:
+    plan = gograph.plan_memory(tuple(Layer(i) for i in range(2)), _samples(2), chain_buffers=True)
+    text = str(plan)
+    assert text.startswith("gograph memory plan: 2 pass(es), engine eager (nothing captured)")
+    assert "input[0]" in text and "pool: not predicted (eager engine: no device pool)" in text
+    d = json.loads(plan.to_json())
+    assert d["totals"]["static_bytes"] == plan.totals.static_bytes
+    assert d["passes"][1]["static_bytes"] == plan.passes[1].static_bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((Layer(0),), {}, TypeError, "sample_args"),
+        ((Layer(0), (torch.randn(4, FEATURES),)), {"chain_bufers": True}, TypeError, "unexpected keyword argument"),
+        ((Layer(0), (torch.randn(4, FEATURES),)), {"fp8_enabled": True}, NotImplementedError, "fp8_enabled"),
+        (((Layer(0), Layer(1)), ((torch.randn(4, FEATURES),),)), {}, ValueError, "one tuple of args per callable"),
+    ],
+)
+def test_refuses_what_make_graphed_callables_refuses(
+    args: tuple[Any, ...], kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        gograph.make_graphed_callables(*args, **kwargs)
+    passes = gograph.live_passes()
+    with pytest.raises(error, match=match):
+        gograph.plan_memory(*args, **kwargs)
+    assert gograph.live_passes() == passes
+
+
+def test_a_failing_warmup_leaves_nothing() -> None:
+    class Boom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyError("boom")
+
+    layers, samples = (Layer(0), Boom()), _samples(2)
+    passes, plans, rng = gograph.live_passes(), gograph.live_plans(), torch.get_rng_state()
+    with pytest.raises(KeyError, match="boom"):
+        gograph.plan_memory(layers, samples)
+    assert (gograph.live_passes(), gograph.live_plans()) == (passes, plans)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+# --------------------------------------------------------------------------------------------
+# The CUDA path without a GPU: an allocator history, as torch.cuda.memory records it, written
+# as the core's trace and replayed in the capture program's order.
+# --------------------------------------------------------------------------------------------
+def _history(events: Sequence[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    return [{"action": a, "addr": addr, "size": size} for a, addr, size in events]
+
+
+def test_trace_text_tags_ops_and_names_blocks() -> None:
+    ops = (_plan.Op("f", 0), _plan.Op("b", 0), _plan.Op("x", 0))
+    entries = _history([
+        ("alloc", 0x1000, 64 * MiB),  # before the first op: not the pass's
+        ("alloc", 0x2000, 64 * MiB), ("alloc", 0x3000, 64 * MiB),  # forward: saved, output
+        ("alloc", 0x7000, 32 * MiB),  # forward: a cache made on first use, never freed
+        ("alloc", 0x9000, 64 * MiB),  # backward: the incoming grad warmup made (between ops)
+        ("free_completed", 0x2000, 64 * MiB), ("alloc", 0x2000, 64 * MiB),  # saved dies, grad reuses it
+        ("free_completed", 0x3000, 64 * MiB), ("free_completed", 0x2000, 64 * MiB),  # x: outputs, grads die
+    ])  # fmt: skip
+    marks = [1, 4, 7, 9]
+    text = trace_text(ops, entries, marks, {1: {0x9000}}, [(0, 0, 0, 0x3000)], [(1, 0, 0, 0x2000)])
+    assert text.splitlines() == [
+        "step 0 f 0", "step 1 b 0", "step 2 x 0",
+        "a 1 67108864 -1", "a 2 67108864 0", "a 3 67108864 0", "a 4 33554432 -1", "out 0 0 3",
+        "a 5 67108864 -1", "r 2 1", "a 6 67108864 1", "grad 0 0 6",
+        "r 3 2", "r 6 2",
+    ]  # fmt: skip
+
+
+def test_core_replays_the_trace_in_capture_order() -> None:
+    """Two layers warmed up per callable (f0 b0 x0 f1 b1 x1), captured F0 F1 B1 B0: the pool
+    holds both forwards' saved tensors and outputs at once, which warmup never did."""
+    sched = _plan.plan_schedule(None, None, 2, 2, True, 1)
+    try:
+        facts = "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 0 1\npass 1 1 0 1 -1 -1\nin 1 0 1 1 1\nout 1 0 1\n"
+        trace = "\n".join([
+            "step 0 f 0", "step 1 b 0", "step 2 x 0", "step 3 f 1", "step 4 b 1", "step 5 x 1",
+            "a 1 67108864 0", "a 2 67108864 0", "r 1 1", "r 2 -1",
+            "a 3 67108864 3", "a 4 67108864 3", "r 3 4", "a 5 67108864 4", "r 4 -1", "r 5 -1",
+            "out 0 0 2", "out 1 0 4", "grad 1 0 5",
+        ])  # fmt: skip
+        got = _core.plan_memory(sched.handle, facts, False, True, True, trace)
+    finally:
+        sched.free()
+    lines = got.splitlines()
+    assert lines[0] == f"pool {4 * 64 * MiB} {4 * 64 * MiB} {2 * 64 * MiB} 4"  # two outputs stay
+    assert lines[1] == f"warmup {2 * 64 * MiB} {2 * 64 * MiB}"
+    assert lines[-1] == f"segments {' '.join([str(64 * MiB)] * 4)}"
+    assert [ln for ln in lines if ln.startswith("op ")] == [
+        f"op F 0 {128 * MiB} {128 * MiB}", f"op F 1 {256 * MiB} {256 * MiB}",
+        f"op B 1 {256 * MiB} {256 * MiB}", f"op X 1 {256 * MiB} {256 * MiB}",
+        f"op B 0 {256 * MiB} {192 * MiB}", f"op X 0 {256 * MiB} {192 * MiB}",
+        f"op R d 1 0 {256 * MiB} {128 * MiB}",
+    ]  # fmt: skip
