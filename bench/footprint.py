@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph
 
-from workloads import WORKLOADS, param_digest, workload
+from workloads import WORKLOADS, WithLoss, param_digest, workload
 
 MiB = 2**20
 MODES = {"none": True, "zero": False}  # zero_grad(set_to_none=...)
@@ -58,6 +58,8 @@ def graph(
     sample tensor (bench/workloads.py)."""
     kwargs = dict(kwargs)
     samples = wl.sample_args(device, share_chained=bool(kwargs.pop("shared_samples", False)))
+    if kwargs.pop("loss_in_graph", False):  # the bench's option: the last callable computes the loss
+        layers = [*layers[:-1], WithLoss(layers[-1])]
     if maker == "torch":
         if wl.order is not None:
             raise SystemExit("torch.cuda.make_graphed_callables has no _order: no torch arm for " + wl.name)
@@ -134,6 +136,8 @@ def run_cell(
         calls: list[Any] = wl.eager_calls(layers)
         if kwargs.get("copies"):
             calls = wl.static_copies(calls)
+        if kwargs.get("loss_in_graph"):
+            calls = [*calls[:-1], WithLoss(layers[-1])]
     else:
         calls, graphed = graph(maker, kwargs, wl, layers, device)
         torch.cuda.synchronize()

@@ -52,6 +52,23 @@ class MLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class WithLoss(torch.nn.Module):
+    """A layer followed by the workloads' loss (``--arms ...+loss_in_graph=1``): graphed as one
+    callable, the loss's temporaries live in the graph pool with the backward graphs'."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return loss_of(self.layer(x))
+
+
+def loss_of(x: Tensor) -> Tensor:
+    """The loss of every default-schedule workload (a 0-dim output is a loss already)."""
+    return x if x.dim() == 0 else x.float().square().mean()
+
+
 class Block(torch.nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)); x + mlp(ln2(x)), causal SDPA."""
 
@@ -157,7 +174,7 @@ class Workload:
             x = batch.inputs[0]
             for call in calls:
                 x = call(x)
-            x.float().square().mean().backward()
+            loss_of(x).backward()
             return
         self._pipeline_step(calls, batch)
 

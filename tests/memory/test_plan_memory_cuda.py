@@ -48,8 +48,13 @@ def test_predictions_are_within_5_percent(kwargs: dict[str, Any]) -> None:
     build_peak = torch.cuda.max_memory_reserved() - base
     report = gograph.memory_report(graphed)
     t, rt = plan.totals, report.totals
-    assert (t.static_bytes, t.pool_planned_bytes) == (rt.static_bytes, rt.pool_planned_bytes)
-    assert [p.static_bytes for p in plan.passes] == [p.static_bytes for p in report.passes]
+    # Per pass and what the build owns are exact; across passes, pool-planned buffers count once
+    # per place the allocator re-carves them at, which the model predicts from its address order
+    # (docs/BENCHMARKS.md).
+    assert t.static_bytes - t.pool_planned_bytes == rt.static_bytes - rt.pool_planned_bytes
+    assert [(p.static_bytes, p.pool_planned_bytes) for p in plan.passes] == [
+        (p.static_bytes, p.pool_planned_bytes) for p in report.passes
+    ]
     assert t.pool_reserved_bytes is not None and rt.pool_reserved_bytes is not None
     assert abs(t.pool_reserved_bytes / rt.pool_reserved_bytes - 1) <= 0.05, (t, rt)
     assert t.build_peak_bytes is not None and abs(t.build_peak_bytes / build_peak - 1) <= 0.05, (t, build_peak)
