@@ -44,3 +44,13 @@ def graph_layers() -> None:
     del pool
     n: int = gograph.live_passes()
     assert n >= 0
+
+
+def plan_before_graphing() -> int | None:
+    layers = tuple(torch.nn.Linear(8, 8) for _ in range(3))
+    samples = tuple((torch.randn(4, 8, requires_grad=i > 0),) for i in range(3))
+    plan: gograph.MemoryPlan = gograph.plan_memory(layers, samples, chain_buffers=True)
+    print(plan)
+    static: int = plan.totals.static_bytes
+    assert static > 0 and plan.to_json()
+    return plan.totals.pool_reserved_bytes
