@@ -1,0 +1,259 @@
+// Package recarve checks the real invariant of CUDA graphs that share a
+// memory pool (pytorch#166975): they may replay in any order as long as no
+// graph reads memory that another graph's replay overwrote since the
+// reader's producer wrote it, and no graph overwrites memory that still
+// holds another graph's content a later replay will read. A capture can
+// re-carve pool memory an earlier capture freed (a backward's transients
+// in a forward's dead activations, a later layer's grad in a released
+// buffer); replays in capture order are safe by construction, others are
+// safe exactly when this checker finds no conflict.
+//
+// Per pool it keeps, for every byte range graphs write, which graph's
+// replay wrote it last and which graphs still have to read that content.
+// What each graph writes (every block its capture allocated in the pool)
+// and reads (blocks another graph's capture produced: saved activations,
+// chained buffers) is given by the executor, which learns it from the
+// allocator during capture. The checker is policy only: no CUDA, no torch.
+package recarve
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// Graph names one captured graph: a pass and its kind (0 forward,
+// 1 backward, 2 weight gradient).
+type Graph struct {
+	Pass int64
+	Kind int
+}
+
+// Range is the byte range [Start, End) of a pool.
+type Range struct {
+	Start, End uint64
+}
+
+func (r Range) String() string { return fmt.Sprintf("[%#x, %#x)", r.Start, r.End) }
+
+func (r Range) overlaps(o Range) bool { return r.Start < o.End && o.Start < r.End }
+
+// Read is content a graph reads that another graph's replay produced.
+type Read struct {
+	Range
+	Producer Graph
+	What     string // e.g. "saved activations of pass 3's forward"
+}
+
+// Spec is what one graph does to its pool at every replay.
+type Spec struct {
+	Name   string // e.g. `pass 3 ("Linear") backward`
+	Writes []Range
+	Reads  []Read
+}
+
+// piece is a maximal range with one writer and one set of pending readers.
+type piece struct {
+	Range
+	written bool
+	writer  Graph
+	pending map[Graph]bool
+}
+
+// Pool is the checker of one memory pool.
+type Pool struct {
+	specs  map[Graph]*Spec
+	pieces []piece // sorted by Start, non-overlapping
+}
+
+// NewPool returns a pool that knows no graph.
+func NewPool() *Pool { return &Pool{specs: map[Graph]*Spec{}} }
+
+// Add records what g writes and reads at every replay.
+func (p *Pool) Add(g Graph, s Spec) error {
+	for _, r := range s.Writes {
+		if r.Start >= r.End {
+			return fmt.Errorf("recarve: %s writes the empty or inverted range %s", s.Name, r)
+		}
+	}
+	for _, r := range s.Reads {
+		if r.Start >= r.End {
+			return fmt.Errorf("recarve: %s reads the empty or inverted range %s", s.Name, r.Range)
+		}
+		if r.Producer == g {
+			return fmt.Errorf("recarve: %s reads %s as its own product: a graph's own writes are not reads", s.Name, r.Range)
+		}
+	}
+	cp := s
+	p.specs[g] = &cp
+	return nil
+}
+
+// Forget drops g (its pass was reset): it neither writes nor reads any
+// more, and nothing waits for it.
+func (p *Pool) Forget(g Graph) {
+	delete(p.specs, g)
+	for i := range p.pieces {
+		delete(p.pieces[i].pending, g)
+	}
+}
+
+// ConflictError is a replay that would read overwritten memory or
+// overwrite memory another graph still needs.
+type ConflictError struct {
+	Graph   string // the graph about to replay
+	Range   Range
+	Owner   string   // the graph whose content is there (overwrite), or that overwrote it (stale read)
+	Needed  []string // graphs that still need it (overwrite)
+	What    string   // what the reader expected (stale read)
+	Missing bool     // a stale read of content its producer never wrote
+}
+
+func (e *ConflictError) Error() string {
+	advice := "graphs sharing a pool may replay in any order only while none reads memory another overwrote " +
+		"and none overwrites memory another still needs (pytorch#166975): replay them in the order they were " +
+		"captured, or give them separate pools"
+	switch {
+	case e.Needed != nil:
+		return fmt.Sprintf("gograph: %s is about to overwrite pool bytes %s, which hold the content %s wrote and %s "+
+			"still needs; %s", e.Graph, e.Range, e.Owner, strings.Join(e.Needed, ", "), advice)
+	case e.Missing:
+		return fmt.Sprintf("gograph: %s is about to read %s (pool bytes %s), which no replay has written yet; %s",
+			e.Graph, e.What, e.Range, advice)
+	}
+	return fmt.Sprintf("gograph: %s is about to read %s (pool bytes %s), but %s overwrote them since; %s",
+		e.Graph, e.What, e.Range, e.Owner, advice)
+}
+
+// Replay checks g's replay and, when it may run, records it: its reads are
+// done, its writes now hold its content for the graphs that read it. A
+// graph the pool does not know reads and writes nothing here.
+func (p *Pool) Replay(g Graph) error {
+	s := p.specs[g]
+	if s == nil {
+		return nil
+	}
+	if err := p.checkReads(g, s); err != nil {
+		return err
+	}
+	if err := p.checkWrites(g, s); err != nil {
+		return err
+	}
+	for _, r := range s.Reads {
+		for i := range p.pieces {
+			if p.pieces[i].overlaps(r.Range) {
+				delete(p.pieces[i].pending, g)
+			}
+		}
+	}
+	for _, w := range s.Writes {
+		p.write(g, w)
+	}
+	return nil
+}
+
+func (p *Pool) checkReads(g Graph, s *Spec) error {
+	for _, r := range s.Reads {
+		covered := uint64(0)
+		for _, pc := range p.pieces {
+			if !pc.overlaps(r.Range) {
+				continue
+			}
+			covered += min(pc.End, r.End) - max(pc.Start, r.Start)
+			if !pc.written || pc.writer != r.Producer {
+				e := &ConflictError{Graph: s.Name, Range: clip(pc.Range, r.Range), What: r.What, Missing: !pc.written}
+				e.Owner = p.name(pc.writer)
+				return e
+			}
+		}
+		if covered < r.End-r.Start {
+			return &ConflictError{Graph: s.Name, Range: r.Range, What: r.What, Missing: true}
+		}
+	}
+	return nil
+}
+
+func (p *Pool) checkWrites(g Graph, s *Spec) error {
+	for _, w := range s.Writes {
+		for _, pc := range p.pieces {
+			if !pc.overlaps(w) || !pc.written || pc.writer == g {
+				continue
+			}
+			var needed []string
+			for r := range pc.pending {
+				if r != g {
+					needed = append(needed, p.name(r))
+				}
+			}
+			if len(needed) > 0 {
+				sort.Strings(needed)
+				return &ConflictError{Graph: s.Name, Range: clip(pc.Range, w), Owner: p.name(pc.writer), Needed: needed}
+			}
+		}
+	}
+	return nil
+}
+
+// write makes w hold g's content, awaited by every graph that reads g's
+// product there.
+func (p *Pool) write(g Graph, w Range) {
+	p.split(w.Start)
+	p.split(w.End)
+	kept := p.pieces[:0:0]
+	for _, pc := range p.pieces {
+		if !pc.overlaps(w) {
+			kept = append(kept, pc)
+		}
+	}
+	// The readers of g's product, cut at their bounds inside w.
+	cuts := []uint64{w.Start, w.End}
+	for _, s := range p.specs {
+		for _, r := range s.Reads {
+			if r.Producer == g && r.overlaps(w) {
+				cuts = append(cuts, max(r.Start, w.Start), min(r.End, w.End))
+			}
+		}
+	}
+	sort.Slice(cuts, func(i, j int) bool { return cuts[i] < cuts[j] })
+	for i := 0; i+1 < len(cuts); i++ {
+		if cuts[i] == cuts[i+1] {
+			continue
+		}
+		pc := piece{Range: Range{cuts[i], cuts[i+1]}, written: true, writer: g, pending: map[Graph]bool{}}
+		for h, s := range p.specs {
+			for _, r := range s.Reads {
+				if r.Producer == g && r.overlaps(pc.Range) {
+					pc.pending[h] = true
+				}
+			}
+		}
+		kept = append(kept, pc)
+	}
+	sort.Slice(kept, func(i, j int) bool { return kept[i].Start < kept[j].Start })
+	p.pieces = kept
+}
+
+// split cuts the piece containing at into two at at.
+func (p *Pool) split(at uint64) {
+	for i, pc := range p.pieces {
+		if pc.Start < at && at < pc.End {
+			left, right := pc, pc
+			left.End, right.Start = at, at
+			right.pending = make(map[Graph]bool, len(pc.pending))
+			for k := range pc.pending {
+				right.pending[k] = true
+			}
+			p.pieces = append(p.pieces[:i], append([]piece{left, right}, p.pieces[i+1:]...)...)
+			return
+		}
+	}
+}
+
+func (p *Pool) name(g Graph) string {
+	if s := p.specs[g]; s != nil {
+		return s.Name
+	}
+	return fmt.Sprintf("pass %d (kind %d, reset)", g.Pass, g.Kind)
+}
+
+func clip(a, b Range) Range { return Range{max(a.Start, b.Start), min(a.End, b.End)} }

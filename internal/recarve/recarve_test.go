@@ -1,0 +1,181 @@
+package recarve
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+var (
+	f0 = Graph{0, 0}
+	f1 = Graph{1, 0}
+	b0 = Graph{0, 1}
+	b1 = Graph{1, 1}
+)
+
+// chain is two layers captured F0 F1 B1 B0 in one pool: B0's capture
+// re-carved the activations F1 left (dead once B1 was captured) for its
+// transients, and reads the input grad B1 wrote (a chained grad output).
+func chain(t *testing.T) *Pool {
+	t.Helper()
+	p := NewPool()
+	add := func(g Graph, s Spec) {
+		if err := p.Add(g, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	add(f0, Spec{Name: "pass 0 forward", Writes: []Range{{0, 100}}})
+	add(f1, Spec{Name: "pass 1 forward", Writes: []Range{{100, 200}}})
+	add(b1, Spec{Name: "pass 1 backward", Writes: []Range{{200, 350}},
+		Reads: []Read{{Range{100, 200}, f1, "saved activations of pass 1's forward"}}})
+	add(b0, Spec{Name: "pass 0 backward", Writes: []Range{{100, 150}, {400, 450}},
+		Reads: []Read{{Range{0, 100}, f0, "saved activations of pass 0's forward"}, {Range{300, 350}, b1, "pass 1's input grad"}}})
+	return p
+}
+
+func replay(p *Pool, gs ...Graph) error {
+	for _, g := range gs {
+		if err := p.Replay(g); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func TestReplayOrders(t *testing.T) {
+	cases := []struct {
+		name  string
+		order []Graph
+		want  string // "" for none
+	}{
+		{"capture order, two steps", []Graph{f0, f1, b1, b0, f0, f1, b1, b0}, ""},
+		{"forwards only, twice (inference with training graphs)", []Graph{f0, f1, f0, f1}, ""},
+		{"a backward before the one whose grad it reads", []Graph{f0, f1, b0},
+			"pass 0 backward is about to read pass 1's input grad (pool bytes [0x12c, 0x15e)), which no replay has written yet"},
+		{"a backward over memory a pending backward still needs", []Graph{f0, f1, b1, f1, b0},
+			"pass 0 backward is about to overwrite pool bytes [0x64, 0x96), which hold the content pass 1 forward wrote and pass 1 backward still needs"},
+		{"a backward of the next step skipped", []Graph{f0, f1, b1, b0, f0, f1, b0},
+			"pass 0 backward is about to overwrite pool bytes [0x64, 0x96), which hold the content pass 1 forward wrote and pass 1 backward still needs"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := replay(chain(t), c.order...)
+			if c.want == "" {
+				if err != nil {
+					t.Fatalf("unexpected %v", err)
+				}
+				return
+			}
+			var ce *ConflictError
+			if !errors.As(err, &ce) || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("got %v\nwant %q", err, c.want)
+			}
+			if !strings.Contains(err.Error(), "pytorch#166975") {
+				t.Errorf("the error says what to do: %v", err)
+			}
+		})
+	}
+}
+
+// TestStaleReadAfterOverwrite: sglang#37606's shape. Graph A's output is
+// read later by graph C; graph B's capture re-carved A's output once the
+// executor thought it dead. B after A and before C is caught at B (C still
+// needs it); a C registered late that reads after B is a stale read.
+func TestStaleReadAfterOverwrite(t *testing.T) {
+	a, b, c := Graph{10, 0}, Graph{11, 0}, Graph{12, 0}
+	p := NewPool()
+	_ = p.Add(a, Spec{Name: "A", Writes: []Range{{0, 64}}})
+	_ = p.Add(b, Spec{Name: "B", Writes: []Range{{0, 64}}})
+	_ = p.Add(c, Spec{Name: "C", Reads: []Read{{Range{0, 64}, a, "A's output"}}})
+	if err := replay(p, a, c, b, a, c); err != nil {
+		t.Fatalf("A, C, B, A, C is legitimate: %v", err)
+	}
+	if err := replay(p, b); err != nil {
+		t.Fatalf("B over A's content nobody needs any more: %v", err)
+	}
+	err := replay(p, a, b)
+	if err == nil || !strings.Contains(err.Error(), "B is about to overwrite pool bytes [0x0, 0x40), which hold the content A wrote and C still needs") {
+		t.Fatalf("got %v", err)
+	}
+	p.Forget(c) // C's pass was reset: nothing waits for A's output
+	if err := replay(p, b); err != nil {
+		t.Fatalf("after C was forgotten: %v", err)
+	}
+	_ = p.Add(c, Spec{Name: "C", Reads: []Read{{Range{0, 64}, a, "A's output"}}})
+	if err := replay(p, c); err == nil || !strings.Contains(err.Error(), "C is about to read A's output (pool bytes [0x0, 0x40)), but B overwrote them since") {
+		t.Fatalf("got %v", err)
+	}
+}
+
+// TestIndependentGraphsReplayInAnyOrder: two microbatches' passes in one
+// pool whose memory does not overlap replay in every order.
+func TestIndependentGraphsReplayInAnyOrder(t *testing.T) {
+	p := NewPool()
+	m0f, m0b, m1f, m1b := Graph{0, 0}, Graph{0, 1}, Graph{1, 0}, Graph{1, 1}
+	_ = p.Add(m0f, Spec{Name: "m0 forward", Writes: []Range{{0, 10}}})
+	_ = p.Add(m1f, Spec{Name: "m1 forward", Writes: []Range{{10, 20}}})
+	_ = p.Add(m0b, Spec{Name: "m0 backward", Writes: []Range{{20, 30}}, Reads: []Read{{Range{0, 10}, m0f, "m0"}}})
+	_ = p.Add(m1b, Spec{Name: "m1 backward", Writes: []Range{{30, 40}}, Reads: []Read{{Range{10, 20}, m1f, "m1"}}})
+	for _, order := range [][]Graph{{m0f, m1f, m0b, m1b}, {m0f, m1f, m1b, m0b}, {m1f, m0f, m0b, m1b}, {m1f, m1b, m0f, m0b}} {
+		if err := replay(p, order...); err != nil {
+			t.Errorf("%v: %v", order, err)
+		}
+	}
+	if err := replay(p, Graph{99, 0}); err != nil {
+		t.Errorf("an unknown graph reads and writes nothing: %v", err)
+	}
+}
+
+func TestAddRefusesBadSpecs(t *testing.T) {
+	p := NewPool()
+	for _, s := range []Spec{
+		{Name: "x", Writes: []Range{{5, 5}}},
+		{Name: "x", Reads: []Read{{Range{9, 3}, f1, "y"}}},
+		{Name: "x", Reads: []Read{{Range{0, 3}, f0, "itself"}}},
+	} {
+		if err := p.Add(f0, s); err == nil {
+			t.Errorf("%+v accepted", s)
+		}
+	}
+}
+
+func FuzzReplay(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3, 0, 1, 3, 2})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		p := NewPool()
+		gs := []Graph{{0, 0}, {1, 0}, {0, 1}, {1, 1}}
+		for i, g := range gs {
+			var s Spec
+			s.Name = "g"
+			if len(data) > i {
+				lo := uint64(data[i] % 8 * 16)
+				s.Writes = []Range{{lo, lo + 24}}
+			}
+			if len(data) > i+4 && g.Kind == 1 {
+				lo := uint64(data[i+4] % 8 * 16)
+				s.Reads = []Read{{Range{lo, lo + 20}, gs[i-2], "its forward"}}
+			}
+			if err := p.Add(g, s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, d := range data {
+			g := gs[int(d)%len(gs)]
+			err := p.Replay(g)
+			for i := 1; i < len(p.pieces); i++ {
+				if p.pieces[i-1].End > p.pieces[i].Start || p.pieces[i].Start >= p.pieces[i].End {
+					t.Fatalf("pieces overlap or are empty: %+v", p.pieces)
+				}
+			}
+			if err == nil {
+				for _, w := range p.specs[g].Writes {
+					for _, pc := range p.pieces {
+						if pc.overlaps(w) && pc.writer != g {
+							t.Fatalf("after %v replayed, %s is %v's", g, pc.Range, pc.writer)
+						}
+					}
+				}
+			}
+		}
+	})
+}
