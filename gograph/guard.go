@@ -71,3 +71,18 @@ func ReplayOrderState(pool string) (s string, err error) {
 	defer recoverPanic("replay_order_state", &err)
 	return passes.OrderState(pool), nil
 }
+
+// SetReplayRecarveSpec gives the debug-mode checker what pass's kind graph
+// writes and reads in its pool at every replay (internal/recarve.ParseSpec's
+// text: "name TEXT", "w START END", "r START END PASS KIND TEXT"). A guarded
+// graph with a spec is checked precisely, instead of by the capture-order
+// rule: any replay order passes unless the graph would overwrite memory
+// holding another graph's content a later replay still reads, or read
+// content another graph overwrote.
+func SetReplayRecarveSpec(pass int64, kind int, spec string) (ok bool, err error) {
+	defer recoverPanic("set_replay_recarve_spec", &err)
+	if err := passes.SetRecarveSpec(pass, state.Kind(kind), spec); err != nil {
+		return false, err
+	}
+	return true, nil
+}

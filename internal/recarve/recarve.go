@@ -19,6 +19,7 @@ package recarve
 import (
 	"fmt"
 	"sort"
+	"strconv"
 	"strings"
 )
 
@@ -125,10 +126,22 @@ func (e *ConflictError) Error() string {
 		e.Graph, e.What, e.Range, e.Owner, advice)
 }
 
+// Knows reports whether g was added (and not forgotten).
+func (p *Pool) Knows(g Graph) bool { return p.specs[g] != nil }
+
 // Replay checks g's replay and, when it may run, records it: its reads are
 // done, its writes now hold its content for the graphs that read it. A
 // graph the pool does not know reads and writes nothing here.
 func (p *Pool) Replay(g Graph) error {
+	if err := p.Check(g); err != nil {
+		return err
+	}
+	p.apply(g)
+	return nil
+}
+
+// Check returns the conflict replaying g now would be, changing nothing.
+func (p *Pool) Check(g Graph) error {
 	s := p.specs[g]
 	if s == nil {
 		return nil
@@ -136,8 +149,35 @@ func (p *Pool) Replay(g Graph) error {
 	if err := p.checkReads(g, s); err != nil {
 		return err
 	}
-	if err := p.checkWrites(g, s); err != nil {
-		return err
+	return p.checkWrites(g, s)
+}
+
+// Discard says that the later kinds of pass will not read what its earlier
+// kinds wrote this time (a forward replayed where no backward can follow):
+// nothing waits for them.
+func (p *Pool) Discard(pass int64) {
+	for i := range p.pieces {
+		for r := range p.pieces[i].pending {
+			if r.Pass == pass {
+				delete(p.pieces[i].pending, r)
+			}
+		}
+	}
+}
+
+// ForgetPass forgets every graph of pass (it was reset).
+func (p *Pool) ForgetPass(pass int64) {
+	for g := range p.specs {
+		if g.Pass == pass {
+			p.Forget(g)
+		}
+	}
+}
+
+func (p *Pool) apply(g Graph) {
+	s := p.specs[g]
+	if s == nil {
+		return
 	}
 	for _, r := range s.Reads {
 		for i := range p.pieces {
@@ -149,7 +189,6 @@ func (p *Pool) Replay(g Graph) error {
 	for _, w := range s.Writes {
 		p.write(g, w)
 	}
-	return nil
 }
 
 func (p *Pool) checkReads(g Graph, s *Spec) error {
@@ -257,3 +296,45 @@ func (p *Pool) name(g Graph) string {
 }
 
 func clip(a, b Range) Range { return Range{max(a.Start, b.Start), min(a.End, b.End)} }
+
+// ParseSpec parses a graph's spec as the executor sends it, one item per
+// line (numbers in decimal):
+//
+//	name TEXT...                       how errors name the graph
+//	w START END                        it writes [START, END)
+//	r START END PASS KIND TEXT...      it reads [START, END), which PASS's KIND graph wrote (TEXT: what)
+func ParseSpec(text string) (Spec, error) {
+	var s Spec
+	for n, line := range strings.Split(strings.TrimSpace(text), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 {
+			continue
+		}
+		bad := func() (Spec, error) {
+			return Spec{}, fmt.Errorf(`recarve: spec line %d (%q): want "name TEXT", "w START END" or "r START END PASS KIND TEXT"`, n+1, line)
+		}
+		switch {
+		case f[0] == "name":
+			s.Name = strings.Join(f[1:], " ")
+		case f[0] == "w" && len(f) == 3:
+			a, err1 := strconv.ParseUint(f[1], 10, 64)
+			b, err2 := strconv.ParseUint(f[2], 10, 64)
+			if err1 != nil || err2 != nil {
+				return bad()
+			}
+			s.Writes = append(s.Writes, Range{a, b})
+		case f[0] == "r" && len(f) >= 5:
+			a, err1 := strconv.ParseUint(f[1], 10, 64)
+			b, err2 := strconv.ParseUint(f[2], 10, 64)
+			pass, err3 := strconv.ParseInt(f[3], 10, 64)
+			kind, err4 := strconv.Atoi(f[4])
+			if err1 != nil || err2 != nil || err3 != nil || err4 != nil || kind < 0 || kind > 2 {
+				return bad()
+			}
+			s.Reads = append(s.Reads, Read{Range{a, b}, Graph{pass, kind}, strings.Join(f[5:], " ")})
+		default:
+			return bad()
+		}
+	}
+	return s, nil
+}

@@ -179,3 +179,40 @@ func FuzzReplay(f *testing.F) {
 		}
 	})
 }
+
+func TestParseSpec(t *testing.T) {
+	s, err := ParseSpec("name pass 3 (\"Linear\") backward\nw 4096 8192\nr 0 4096 3 0 saved activations of its forward\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Name != `pass 3 ("Linear") backward` || len(s.Writes) != 1 || s.Writes[0] != (Range{4096, 8192}) ||
+		len(s.Reads) != 1 || s.Reads[0].Producer != (Graph{3, 0}) || s.Reads[0].What != "saved activations of its forward" {
+		t.Errorf("%+v", s)
+	}
+	for _, bad := range []string{"w 1", "w a b", "r 0 1 2", "r 0 1 2 7 x", "q"} {
+		if _, err := ParseSpec(bad); err == nil {
+			t.Errorf("%q parsed", bad)
+		}
+	}
+}
+
+// TestDiscard: a forward replayed where its backward cannot follow (under
+// no_grad) leaves nothing pending, so other graphs may reuse its memory.
+func TestDiscard(t *testing.T) {
+	p := chain(t)
+	if err := replay(p, f0, f1); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Check(b0); err == nil {
+		t.Fatal("B0 over F1's pending content must conflict")
+	}
+	p.Discard(1)
+	p.Discard(0)
+	if !p.Knows(b0) || p.Check(b0) == nil {
+		t.Fatal("B0 still reads pass 1's input grad, which no replay wrote")
+	}
+	p.ForgetPass(1)
+	if p.Knows(b1) || p.Knows(f1) {
+		t.Fatal("ForgetPass keeps pass 1's graphs")
+	}
+}

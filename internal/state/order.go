@@ -46,6 +46,8 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+
+	"github.com/gograph/gograph/internal/recarve"
 )
 
 // poolOrder is the capture sequence and the replay-order state of one memory
@@ -61,6 +63,47 @@ type poolOrder struct {
 	mu   sync.Mutex
 	next int      // next capture sequence number
 	open []flight // open passes, in the order they opened
+
+	// carve is the precise checker (internal/recarve) for the graphs whose
+	// writes and reads the executor gave (SetRecarveSpec); nil until then.
+	// A guarded graph it knows is checked by it instead of the capture-order
+	// rule: any order passes unless memory another graph still needs would
+	// be overwritten or read after being overwritten.
+	carve *recarve.Pool
+}
+
+// knows reports whether the precise checker has graph kind of pass id.
+func (po *poolOrder) knows(id int64, kind Kind) bool {
+	return po.carve != nil && po.carve.Knows(recarve.Graph{Pass: id, Kind: int(kind)})
+}
+
+// SetRecarveSpec gives the precise checker what pass id's kind graph writes
+// and reads in its pool at every replay (recarve.ParseSpec's text).
+func (l *Ledger) SetRecarveSpec(id int64, kind Kind, spec string) error {
+	if err := checkKind(kind); err != nil {
+		return err
+	}
+	s, err := recarve.ParseSpec(spec)
+	if err != nil {
+		return err
+	}
+	p, err := l.lock(id)
+	if err != nil {
+		return err
+	}
+	defer p.mu.Unlock()
+	if p.Lifecycle == Reset {
+		return p.errReset()
+	}
+	if p.order == nil || p.Seq[kind] == 0 {
+		return fmt.Errorf("graphed callable %d (%q): no %s capture recorded to check", p.CallableIndex, p.Label, kind)
+	}
+	p.order.mu.Lock()
+	defer p.order.mu.Unlock()
+	if p.order.carve == nil {
+		p.order.carve = recarve.NewPool()
+	}
+	return p.order.carve.Add(recarve.Graph{Pass: id, Kind: int(kind)}, s)
 }
 
 // flight is an open pass: its replay chain started and has kinds to come.
@@ -131,7 +174,7 @@ func (l *Ledger) SetOrderCheck(id int64, on bool) error {
 	if !on {
 		if p.CheckOrder {
 			p.CheckOrder = false
-			p.order.close(id)
+			p.order.forget(id)
 		}
 		return nil
 	}
@@ -155,6 +198,11 @@ func (l *Ledger) DiscardOpen(id int64) (bool, error) {
 	defer p.mu.Unlock()
 	if !p.CheckOrder {
 		return false, nil
+	}
+	if p.order.carve != nil {
+		p.order.mu.Lock()
+		p.order.carve.Discard(id)
+		p.order.mu.Unlock()
 	}
 	return p.order.close(id), nil
 }
@@ -190,6 +238,9 @@ func (po *poolOrder) checkReplay(p *record, kind Kind) error {
 	}
 	po.mu.Lock()
 	defer po.mu.Unlock()
+	if po.knows(p.ID, kind) {
+		return po.carve.Replay(recarve.Graph{Pass: p.ID, Kind: int(kind)})
+	}
 	if err := po.check(p, kind, s); err != nil {
 		return err
 	}
@@ -252,6 +303,9 @@ func (l *Ledger) CheckOrder(id int64, kind Kind) error {
 	}
 	p.order.mu.Lock()
 	defer p.order.mu.Unlock()
+	if p.order.knows(id, kind) {
+		return p.order.carve.Check(recarve.Graph{Pass: id, Kind: int(kind)})
+	}
 	return p.order.check(p, kind, s)
 }
 
@@ -288,6 +342,20 @@ func (po *poolOrder) remove(i int) {
 }
 
 // close removes pass id from the open passes; it reports whether it was open.
+// forget closes pass id and drops its graphs from the precise checker (its
+// guard went off, or it was reset: it neither writes nor needs anything).
+func (po *poolOrder) forget(id int64) {
+	if po == nil {
+		return
+	}
+	po.close(id)
+	po.mu.Lock()
+	defer po.mu.Unlock()
+	if po.carve != nil {
+		po.carve.ForgetPass(id)
+	}
+}
+
 func (po *poolOrder) close(id int64) bool {
 	if po == nil {
 		return false

@@ -418,3 +418,66 @@ func TestCheckOrderPredictsReplayWithoutChangingState(t *testing.T) {
 	wantErr(t, fx.l.CheckOrder(a, 5), "unknown graph kind 5")
 	wantErr(t, fx.l.CheckOrder(404, Forward), "unknown pass 404")
 }
+
+// TestRecarveChecker: with specs (what each graph writes and reads), a
+// guarded pool is checked precisely: the interval rule would refuse two
+// microbatches' passes whose memory is disjoint replayed out of capture
+// order; the checker lets them run, and still refuses a real overwrite.
+func TestRecarveChecker(t *testing.T) {
+	captures := []step{f("m1"), f("m2"), b("m1"), b("m2")}
+	replays := []step{f("m2"), f("m1"), b("m2"), b("m1")} // forward captured before another open forward
+	fx := newOrderFixture(t, "p", captures)
+	if at, err := fx.run(replays); at != 1 || err == nil {
+		t.Fatalf("the capture-order rule refuses this order at step 1: %d %v", at, err)
+	}
+	fx = newOrderFixture(t, "p", captures)
+	specs := map[string][2]string{ // forward, backward
+		"m1": {"name m1 forward\nw 0 100", "name m1 backward\nw 300 350\nr 0 100 %d 0 m1's activations"},
+		"m2": {"name m2 forward\nw 100 200", "name m2 backward\nw 350 400\nr 100 200 %d 0 m2's activations"},
+	}
+	for name, s := range specs {
+		id := fx.ids[name]
+		if err := fx.l.SetRecarveSpec(id, Forward, s[0]); err != nil {
+			t.Fatal(err)
+		}
+		if err := fx.l.SetRecarveSpec(id, Backward, fmt.Sprintf(s[1], id)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if at, err := fx.run(repeat(2, replays...)); err != nil {
+		t.Fatalf("disjoint memory replays in any order: step %d: %v", at, err)
+	}
+	// m2's backward re-carved into m1's activations: caught before launching.
+	if err := fx.l.SetRecarveSpec(fx.ids["m2"], Backward, fmt.Sprintf("name m2 backward\nw 0 50\nr 100 200 %d 0 m2's activations", fx.ids["m2"])); err != nil {
+		t.Fatal(err)
+	}
+	total := func() (n int) {
+		for _, c := range fx.fg.launches {
+			n += c
+		}
+		return n
+	}
+	launched := total()
+	at, err := fx.run([]step{f("m1"), f("m2"), b("m2")})
+	if at != 2 || err == nil || !strings.Contains(err.Error(), "m2 backward is about to overwrite pool bytes [0x0, 0x32), which hold the content m1 forward wrote and m1 backward still needs") {
+		t.Fatalf("step %d: %v", at, err)
+	}
+	if total() != launched+2 {
+		t.Errorf("the refused replay launched: %d launches, want %d", total(), launched+2)
+	}
+	if _, err := fx.l.DiscardOpen(fx.ids["m1"]); err != nil {
+		t.Fatal(err)
+	}
+	if at, err := fx.run([]step{b("m2")}); err != nil {
+		t.Fatalf("after m1's forward was discarded nothing needs its activations: %d %v", at, err)
+	}
+	if err := fx.l.SetRecarveSpec(fx.ids["m1"], Forward, "w 1"); err == nil {
+		t.Error("a malformed spec was accepted")
+	}
+	if _, err := fx.l.ResetPass(fx.ids["m1"]); err != nil {
+		t.Fatal(err)
+	}
+	if err := fx.l.SetRecarveSpec(fx.ids["m1"], Forward, "w 0 1"); err == nil {
+		t.Error("a spec for a reset pass was accepted")
+	}
+}

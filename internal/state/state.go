@@ -303,7 +303,7 @@ func (l *Ledger) reset(p *record) (int, error) {
 	}
 	p.Lifecycle = Reset
 	if p.CheckOrder {
-		p.order.close(p.ID) // a reset pass needs nothing any more
+		p.order.forget(p.ID) // a reset pass needs nothing any more
 	}
 	refs := p.PoolRefs
 	p.PoolRefs = 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import _core, _observe, _plan, _reuse
+from . import _core, _observe, _plan, _recarve, _reuse
 from ._args import PassSpec, Request
 from ._captures import apply_slots, run_captures
 from ._state import PassState
@@ -61,8 +61,11 @@ class Build:
             self._create_passes()
             self._warmup()
             program, slots = self._plan_captures()
-            run_captures(self, program, slots)
+            with _recarve.recording(self.engine, debug) as recorder:
+                run_captures(self, program, slots, recorder)
             self._seal(debug)
+            if recorder is not None:  # debug on CUDA: replays checked against what each graph touches
+                _recarve.send(_recarve.specs(recorder, program.ops, self.states))
         except BaseException as e:
             self.rollback(rng)
             wrapped = self._with_context(e) if isinstance(e, Exception) else None

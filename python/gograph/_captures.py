@@ -44,16 +44,20 @@ def apply_slots(states: Sequence[PassState], program: _plan.CaptureProgram) -> d
     return backing
 
 
-def run_captures(build: Any, program: _plan.CaptureProgram, slots: dict[int, Tensor]) -> None:
-    """Runs the program's ops (``build`` is the :class:`gograph._build.Build`)."""
+def run_captures(build: Any, program: _plan.CaptureProgram, slots: dict[int, Tensor], recorder: Any = None) -> None:
+    """Runs the program's ops (``build`` is the :class:`gograph._build.Build`). ``recorder``
+    (debug mode, :class:`gograph._recarve.CaptureRecorder`) sees every op begin, and the end."""
     states = build.states
-    for op in program.ops:
+    for i, op in enumerate(program.ops):
         st: PassState = states[op.pass_index]
         build.current = st
         kind = op.kind
+        if recorder is not None:
+            recorder.op(i)
         if kind == _plan.CAPTURE_FORWARD:
             build.phase = "forward capture"
-            capture_forward(build, st, program)
+            with recorder.saving(st) if recorder is not None else contextlib.nullcontext():
+                capture_forward(build, st, program)
         elif kind == _plan.CAPTURE_BACKWARD:
             build.phase = "backward capture"
             capture_backward(build, st, program, slots)
@@ -64,6 +68,8 @@ def run_captures(build: Any, program: _plan.CaptureProgram, slots: dict[int, Ten
             st.capture_outputs = None
         else:
             _reuse.release(op, states)
+    if recorder is not None:
+        recorder.op(len(program.ops))
 
 
 def _chained_inputs(build: Any, st: PassState, program: _plan.CaptureProgram) -> None:

@@ -62,6 +62,7 @@ NAMES = (
     "replay_order_check",
     "discard_replay_order",
     "replay_order_state",
+    "set_replay_recarve_spec",
 )
 
 

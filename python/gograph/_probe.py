@@ -17,15 +17,17 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from . import _plan, _reuse, _torch
-from ._build import Build
 from ._state import PassState
 from .engines import CudaEngine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._build import Build
 
 __all__ = ["AllocationTrace", "Probe", "WarmupSizes", "probe", "trace_text"]
 

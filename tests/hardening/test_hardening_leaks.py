@@ -201,7 +201,7 @@ names = ["core_version", "flavor", "cuda_header_version", "live_graphs", "live_p
          "end_pass_capture", "abort_pass_capture", "seal_pass", "replay", "pass_state", "pass_graph", "reset_pass",
          "pass_reset_error", "drop_pass", "pool_refs", "plan_schedule", "plan_steps", "plan_warmup", "plan_capture",
          "plan_memory", "free_plan", "live_plans", "trigger_panic_for_test", "begin_capture", "end_capture",
-         "abort_capture"]
+         "abort_capture", "set_replay_recarve_spec"]
 # On the cuda flavor, the calls that hand their stream straight to the driver get only stream 0
 # (refused before the driver): a garbage stream value would be dereferenced as a pointer there,
 # and raw handles are the caller's contract (see CORE_API.md). end_capture, upload_graph and

