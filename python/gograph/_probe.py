@@ -29,7 +29,7 @@ from .engines import CudaEngine
 if TYPE_CHECKING:  # pragma: no cover
     from ._build import Build
 
-__all__ = ["AllocationTrace", "Probe", "WarmupSizes", "probe", "trace_text"]
+__all__ = ["AllocationTrace", "Probe", "WarmupSizes", "op_spans", "probe", "trace_text"]
 
 log = logging.getLogger("gograph")
 
@@ -127,6 +127,16 @@ class AllocationTrace(WarmupSizes):
         return trace_text(ops, self.entries, self.marks, self.incoming, self.out_addrs, self.grad_addrs)
 
 
+def op_spans(
+    entries: Sequence[dict[str, Any]], marks: Sequence[int], n_ops: int
+) -> Iterator[tuple[int, Sequence[dict[str, Any]]]]:
+    """The history ``entries`` cut at ``marks`` (``marks[i]``: where op i began, ``marks[n_ops]``
+    the end): (op index, its entries), with -1 for what came before the first op or after the last."""
+    bounds = [0, *marks, len(entries)]
+    for span in range(len(bounds) - 1):
+        yield (span - 1 if 0 < span <= n_ops else -1), entries[bounds[span] : bounds[span + 1]]
+
+
 def trace_text(
     ops: Sequence[_plan.Op],
     entries: Sequence[dict[str, Any]],
@@ -143,10 +153,8 @@ def trace_text(
     lines: list[Any] = [f"step {i} {op.kind} {op.pass_index}" for i, op in enumerate(ops)]
     live: dict[int, int] = {}
     allocs: dict[int, list[Any]] = {}
-    bounds = [0, *marks, len(entries)]
-    for span in range(len(bounds) - 1):
-        i = span - 1 if 0 < span <= len(ops) else -1  # -1: before the first op, after the last
-        for e in entries[bounds[span] : bounds[span + 1]]:
+    for i, span in op_spans(entries, marks, len(ops)):
+        for e in span:
             action, addr = e.get("action"), int(e.get("addr", 0))
             if action == "alloc":
                 bid = len(allocs) + 1

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _core, _plan, _torch
-from ._probe import AllocationTrace
+from ._probe import AllocationTrace, op_spans
 from ._state import PassState
 
 __all__ = ["CaptureRecorder", "recording", "send", "specs"]
@@ -78,16 +78,14 @@ def specs(rec: CaptureRecorder, ops: Sequence[_plan.Op], states: Sequence[PassSt
     """Per captured graph, what it writes and reads (see the module docstring)."""
     out: dict[Graph, Spec] = {}
     live: dict[int, tuple[int, Graph]] = {}  # block address -> (size, the graph whose capture allocated it)
-    bounds = [0, *rec.marks, len(rec.entries)]
-    for span in range(len(bounds) - 1):
-        i = span - 1 if 0 < span <= len(ops) else -1
+    for i, span in op_spans(rec.entries, rec.marks, len(ops)):
         g: Graph | None = None
         if i >= 0 and ops[i].kind in _KIND_OF_OP:
             st = states[ops[i].pass_index]
             g = (st.pass_id, _KIND_OF_OP[ops[i].kind])
             out[g] = {"name": f'pass {st.pass_id} ("{st.spec.label}") {_KIND_NAMES[g[1]]}', "writes": [],
                       "reads": _reads(rec, st, g[1], live)}  # fmt: skip
-        for e in rec.entries[bounds[span] : bounds[span + 1]]:
+        for e in span:
             action, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
             if action == "alloc" and g is not None:
                 live[addr] = (size, g)

@@ -74,6 +74,7 @@ def run_warmup(build: Any, ops: Sequence[_plan.Op], observer: WarmupObserver | N
             )
             if observer is not None and done is not None:
                 observer.backward(i, st, *done)
+            done = None  # the grads die here, as without an observer
             slot = 1
         elif kind == _plan.WARM_WGRAD:
             warm_dw(st, build, _plan.WGRAD_STEP, build.schedule.step_entry(st.index, _plan.WGRAD_STEP))
