@@ -91,19 +91,25 @@ func PlanWarmup(plan int64, iters int, hooks bool) (program string, err error) {
 // hands dead pool buffers back to the pool (an engine with device pools).
 func PlanCapture(plan int64, facts string, reuse, chain, release bool) (program string, err error) {
 	defer recoverPanic("plan_capture", &err)
-	p, err := store.Get(plan)
-	if err != nil {
-		return "", fmt.Errorf("plan_capture: %w", err)
-	}
-	f, err := lifetime.ParseFacts(facts, p.Passes)
-	if err != nil {
-		return "", fmt.Errorf("plan_capture: %w", err)
-	}
-	prog, err := lifetime.Capture(p, f, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	_, prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
 	if err != nil {
 		return "", fmt.Errorf("plan_capture: %w", err)
 	}
 	return prog.Encode(), nil
+}
+
+// captureProgram plans the captures of plan from facts.
+func captureProgram(plan int64, facts string, opt lifetime.Options) (*schedule.Plan, *lifetime.Program, error) {
+	p, err := store.Get(plan)
+	if err != nil {
+		return nil, nil, err
+	}
+	f, err := lifetime.ParseFacts(facts, p.Passes)
+	if err != nil {
+		return nil, nil, err
+	}
+	prog, err := lifetime.Capture(p, f, opt)
+	return p, prog, err
 }
 
 // FreePlan forgets plan; it reports whether the handle was known (freeing
@@ -126,15 +132,7 @@ func LivePlans() int { return store.Live() }
 // after each capture op.
 func PlanMemory(plan int64, facts string, reuse, chain, release bool, trace string) (prediction string, err error) {
 	defer recoverPanic("plan_memory", &err)
-	p, err := store.Get(plan)
-	if err != nil {
-		return "", fmt.Errorf("plan_memory: %w", err)
-	}
-	f, err := lifetime.ParseFacts(facts, p.Passes)
-	if err != nil {
-		return "", fmt.Errorf("plan_memory: %w", err)
-	}
-	prog, err := lifetime.Capture(p, f, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	p, prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
 	if err != nil {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}
