@@ -7,7 +7,12 @@ package gograph
 // documented in internal/state/order.go and docs/DESIGN.md; the contract in
 // docs/CORE_API.md.
 
-import "github.com/gograph/gograph/internal/state"
+import (
+	"fmt"
+	"strings"
+
+	"github.com/gograph/gograph/internal/state"
+)
 
 // CaptureSeq returns the capture sequence number of pass's kind in its pool
 // (0 when that kind's capture was not recorded).
@@ -85,4 +90,22 @@ func SetReplayRecarveSpec(pass int64, kind int, spec string) (ok bool, err error
 		return false, err
 	}
 	return true, nil
+}
+
+// ReplayClobbers lists, one per line as "PASS KIND INDEX MESSAGE", the
+// pool-planned buffers other graphs handed to the caller (spec lines
+// "h START END INDEX TEXT") that replaying pass's kind graph overwrites:
+// the executor makes a read of each such tensor it still holds raise
+// MESSAGE. "" when there are none or the checker does not know the graph.
+func ReplayClobbers(pass int64, kind int) (lines string, err error) {
+	defer recoverPanic("replay_clobbers", &err)
+	cs, err := passes.RecarveClobbers(pass, state.Kind(kind))
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	for _, c := range cs {
+		fmt.Fprintf(&b, "%d %d %d %s\n", c.Owner.Pass, c.Owner.Kind, c.Index, c.Message)
+	}
+	return b.String(), nil
 }

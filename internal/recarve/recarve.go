@@ -46,11 +46,21 @@ type Read struct {
 	What     string // e.g. "saved activations of pass 3's forward"
 }
 
+// Handout is pool-planned memory a graph's replay hands to the caller: a
+// returned output or input grad whose buffer went back to the pool once the
+// schedule was done with it, so a later capture may have re-carved it.
+type Handout struct {
+	Range
+	Index int    // which output (forward) or grad input (backward)
+	What  string // e.g. "output 0"
+}
+
 // Spec is what one graph does to its pool at every replay.
 type Spec struct {
-	Name   string // e.g. `pass 3 ("Linear") backward`
-	Writes []Range
-	Reads  []Read
+	Name     string // e.g. `pass 3 ("Linear") backward`
+	Writes   []Range
+	Reads    []Read
+	Handouts []Handout
 }
 
 // piece is a maximal range with one writer and one set of pending readers.
@@ -65,6 +75,38 @@ type piece struct {
 type Pool struct {
 	specs  map[Graph]*Spec
 	pieces []piece // sorted by Start, non-overlapping
+	// readers indexes every spec's reads by producer (nil: rebuild on use),
+	// so a replay's writes find their readers without scanning every spec.
+	readers map[Graph][]readRef
+}
+
+// readRef is one graph's read of a producer's content.
+type readRef struct {
+	reader Graph
+	Range
+}
+
+// readersOf returns the reads of g's product, by any known graph.
+func (p *Pool) readersOf(g Graph) []readRef {
+	if p.readers == nil {
+		p.readers = map[Graph][]readRef{}
+		for h, s := range p.specs {
+			for _, r := range s.Reads {
+				p.readers[r.Producer] = append(p.readers[r.Producer], readRef{h, r.Range})
+			}
+		}
+	}
+	return p.readers[g]
+}
+
+// at returns the index range [lo, hi) of the pieces overlapping r.
+func (p *Pool) at(r Range) (lo, hi int) {
+	lo = sort.Search(len(p.pieces), func(i int) bool { return p.pieces[i].End > r.Start })
+	hi = lo
+	for hi < len(p.pieces) && p.pieces[hi].Start < r.End {
+		hi++
+	}
+	return lo, hi
 }
 
 // NewPool returns a pool that knows no graph.
@@ -85,15 +127,77 @@ func (p *Pool) Add(g Graph, s Spec) error {
 			return fmt.Errorf("recarve: %s reads %s as its own product: a graph's own writes are not reads", s.Name, r.Range)
 		}
 	}
+	for _, h := range s.Handouts {
+		if h.Start >= h.End || h.Index < 0 {
+			return fmt.Errorf("recarve: %s hands out %s (index %d): want a non-empty range and an index >= 0", s.Name, h.Range, h.Index)
+		}
+	}
 	cp := s
 	p.specs[g] = &cp
+	p.readers = nil
 	return nil
+}
+
+// Clobber is a hand-out of another graph that a replay overwrites: the
+// caller's tensor no longer holds what that graph returned.
+type Clobber struct {
+	Owner   Graph
+	Index   int
+	Message string // the error a read of the caller's tensor raises
+}
+
+// Clobbers lists, in a stable order, the other graphs' hand-outs that g's
+// replay overwrites (its writes overlap them: its capture re-carved their
+// memory). A graph's own hand-outs are not listed: that a replay rewrites
+// what the previous replay of the same graph returned is the static-output
+// contract.
+func (p *Pool) Clobbers(g Graph) []Clobber {
+	s := p.specs[g]
+	if s == nil {
+		return nil
+	}
+	var out []Clobber
+	for _, h := range p.sorted() {
+		if h == g {
+			continue
+		}
+		for _, ho := range p.specs[h].Handouts {
+			for _, w := range s.Writes {
+				if !w.overlaps(ho.Range) {
+					continue
+				}
+				out = append(out, Clobber{Owner: h, Index: ho.Index, Message: fmt.Sprintf(
+					"gograph: this tensor is %s of %s, a pool-planned buffer, and %s's replay overwrote it (pool bytes %s: "+
+						"a later capture re-carved that memory once the schedule was done with the buffer). Read or "+
+						"clone a returned tensor before the graphs that follow in the schedule replay",
+					ho.What, p.specs[h].Name, s.Name, clip(w, ho.Range))})
+				break
+			}
+		}
+	}
+	return out
+}
+
+// sorted returns the known graphs by pass, then kind.
+func (p *Pool) sorted() []Graph {
+	gs := make([]Graph, 0, len(p.specs))
+	for g := range p.specs {
+		gs = append(gs, g)
+	}
+	sort.Slice(gs, func(i, j int) bool {
+		if gs[i].Pass != gs[j].Pass {
+			return gs[i].Pass < gs[j].Pass
+		}
+		return gs[i].Kind < gs[j].Kind
+	})
+	return gs
 }
 
 // Forget drops g (its pass was reset): it neither writes nor reads any
 // more, and nothing waits for it.
 func (p *Pool) Forget(g Graph) {
 	delete(p.specs, g)
+	p.readers = nil
 	for i := range p.pieces {
 		delete(p.pieces[i].pending, g)
 	}
@@ -180,10 +284,9 @@ func (p *Pool) apply(g Graph) {
 		return
 	}
 	for _, r := range s.Reads {
-		for i := range p.pieces {
-			if p.pieces[i].overlaps(r.Range) {
-				delete(p.pieces[i].pending, g)
-			}
+		lo, hi := p.at(r.Range)
+		for i := lo; i < hi; i++ {
+			delete(p.pieces[i].pending, g)
 		}
 	}
 	for _, w := range s.Writes {
@@ -194,10 +297,8 @@ func (p *Pool) apply(g Graph) {
 func (p *Pool) checkReads(g Graph, s *Spec) error {
 	for _, r := range s.Reads {
 		covered := uint64(0)
-		for _, pc := range p.pieces {
-			if !pc.overlaps(r.Range) {
-				continue
-			}
+		lo, hi := p.at(r.Range)
+		for _, pc := range p.pieces[lo:hi] {
 			covered += min(pc.End, r.End) - max(pc.Start, r.Start)
 			if !pc.written || pc.writer != r.Producer {
 				e := &ConflictError{Graph: s.Name, Range: clip(pc.Range, r.Range), What: r.What, Missing: !pc.written}
@@ -214,8 +315,9 @@ func (p *Pool) checkReads(g Graph, s *Spec) error {
 
 func (p *Pool) checkWrites(g Graph, s *Spec) error {
 	for _, w := range s.Writes {
-		for _, pc := range p.pieces {
-			if !pc.overlaps(w) || !pc.written || pc.writer == g {
+		lo, hi := p.at(w)
+		for _, pc := range p.pieces[lo:hi] {
+			if !pc.written || pc.writer == g {
 				continue
 			}
 			var needed []string
@@ -238,38 +340,30 @@ func (p *Pool) checkWrites(g Graph, s *Spec) error {
 func (p *Pool) write(g Graph, w Range) {
 	p.split(w.Start)
 	p.split(w.End)
-	kept := p.pieces[:0:0]
-	for _, pc := range p.pieces {
-		if !pc.overlaps(w) {
-			kept = append(kept, pc)
-		}
-	}
+	lo, hi := p.at(w) // after the splits, exactly the pieces inside w
+	readers := p.readersOf(g)
 	// The readers of g's product, cut at their bounds inside w.
 	cuts := []uint64{w.Start, w.End}
-	for _, s := range p.specs {
-		for _, r := range s.Reads {
-			if r.Producer == g && r.overlaps(w) {
-				cuts = append(cuts, max(r.Start, w.Start), min(r.End, w.End))
-			}
+	for _, r := range readers {
+		if r.overlaps(w) {
+			cuts = append(cuts, max(r.Start, w.Start), min(r.End, w.End))
 		}
 	}
 	sort.Slice(cuts, func(i, j int) bool { return cuts[i] < cuts[j] })
+	var fresh []piece
 	for i := 0; i+1 < len(cuts); i++ {
 		if cuts[i] == cuts[i+1] {
 			continue
 		}
 		pc := piece{Range: Range{cuts[i], cuts[i+1]}, written: true, writer: g, pending: map[Graph]bool{}}
-		for h, s := range p.specs {
-			for _, r := range s.Reads {
-				if r.Producer == g && r.overlaps(pc.Range) {
-					pc.pending[h] = true
-				}
+		for _, r := range readers {
+			if r.overlaps(pc.Range) {
+				pc.pending[r.reader] = true
 			}
 		}
-		kept = append(kept, pc)
+		fresh = append(fresh, pc)
 	}
-	sort.Slice(kept, func(i, j int) bool { return kept[i].Start < kept[j].Start })
-	p.pieces = kept
+	p.pieces = append(p.pieces[:lo:lo], append(fresh, p.pieces[hi:]...)...)
 }
 
 // split cuts the piece containing at into two at at.
@@ -303,6 +397,7 @@ func clip(a, b Range) Range { return Range{max(a.Start, b.Start), min(a.End, b.E
 //	name TEXT...                       how errors name the graph
 //	w START END                        it writes [START, END)
 //	r START END PASS KIND TEXT...      it reads [START, END), which PASS's KIND graph wrote (TEXT: what)
+//	h START END INDEX TEXT...          it hands the caller pool-planned [START, END) as INDEX (TEXT: what)
 func ParseSpec(text string) (Spec, error) {
 	var s Spec
 	for n, line := range strings.Split(strings.TrimSpace(text), "\n") {
@@ -311,7 +406,7 @@ func ParseSpec(text string) (Spec, error) {
 			continue
 		}
 		bad := func() (Spec, error) {
-			return Spec{}, fmt.Errorf(`recarve: spec line %d (%q): want "name TEXT", "w START END" or "r START END PASS KIND TEXT"`, n+1, line)
+			return Spec{}, fmt.Errorf(`recarve: spec line %d (%q): want "name TEXT", "w START END", "r START END PASS KIND TEXT" or "h START END INDEX TEXT"`, n+1, line)
 		}
 		switch {
 		case f[0] == "name":
@@ -332,6 +427,14 @@ func ParseSpec(text string) (Spec, error) {
 				return bad()
 			}
 			s.Reads = append(s.Reads, Read{Range{a, b}, Graph{pass, kind}, strings.Join(f[5:], " ")})
+		case f[0] == "h" && len(f) >= 4:
+			a, err1 := strconv.ParseUint(f[1], 10, 64)
+			b, err2 := strconv.ParseUint(f[2], 10, 64)
+			index, err3 := strconv.Atoi(f[3])
+			if err1 != nil || err2 != nil || err3 != nil {
+				return bad()
+			}
+			s.Handouts = append(s.Handouts, Handout{Range{a, b}, index, strings.Join(f[4:], " ")})
 		default:
 			return bad()
 		}

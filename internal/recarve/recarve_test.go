@@ -155,12 +155,21 @@ func FuzzReplay(f *testing.F) {
 				lo := uint64(data[i+4] % 8 * 16)
 				s.Reads = []Read{{Range{lo, lo + 20}, gs[i-2], "its forward"}}
 			}
+			if len(data) > i+8 {
+				lo := uint64(data[i+8] % 8 * 16)
+				s.Handouts = []Handout{{Range{lo, lo + 8}, i, "output"}}
+			}
 			if err := p.Add(g, s); err != nil {
 				t.Fatal(err)
 			}
 		}
 		for _, d := range data {
 			g := gs[int(d)%len(gs)]
+			for _, c := range p.Clobbers(g) {
+				if c.Owner == g || !overlapsAny(p.specs[g].Writes, p.specs[c.Owner].Handouts[0].Range) {
+					t.Fatalf("%v clobbers %+v without overwriting it", g, c)
+				}
+			}
 			err := p.Replay(g)
 			for i := 1; i < len(p.pieces); i++ {
 				if p.pieces[i-1].End > p.pieces[i].Start || p.pieces[i].Start >= p.pieces[i].End {
@@ -178,6 +187,15 @@ func FuzzReplay(f *testing.F) {
 			}
 		}
 	})
+}
+
+func overlapsAny(ws []Range, r Range) bool {
+	for _, w := range ws {
+		if w.overlaps(r) {
+			return true
+		}
+	}
+	return false
 }
 
 func TestParseSpec(t *testing.T) {
@@ -214,5 +232,71 @@ func TestDiscard(t *testing.T) {
 	p.ForgetPass(1)
 	if p.Knows(b1) || p.Knows(f1) {
 		t.Fatal("ForgetPass keeps pass 1's graphs")
+	}
+}
+
+// TestClobbers: pass 0's forward hands out a pool-planned output at
+// [0, 40); pass 1's backward was captured after that buffer went back to
+// the pool and re-carved part of it.
+func TestClobbers(t *testing.T) {
+	p := NewPool()
+	must := func(g Graph, s Spec) {
+		t.Helper()
+		if err := p.Add(g, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(f0, Spec{Name: "pass 0 forward", Writes: []Range{{0, 100}}, Handouts: []Handout{{Range{0, 40}, 0, "output 0"}}})
+	must(b0, Spec{Name: "pass 0 backward", Writes: []Range{{100, 200}}, Handouts: []Handout{{Range{100, 120}, 1, "grad input 1"}}})
+	must(f1, Spec{Name: "pass 1 forward", Writes: []Range{{300, 400}}})
+	must(b1, Spec{Name: "pass 1 backward", Writes: []Range{{30, 60}, {110, 115}}})
+	cases := []struct {
+		g    Graph
+		want []string // owner/index: message fragments
+	}{
+		{f0, nil}, // its own hand-out: the static-output contract
+		{b0, nil},
+		{f1, nil}, // disjoint
+		{b1, []string{
+			"this tensor is output 0 of pass 0 forward, a pool-planned buffer, and pass 1 backward's replay overwrote it (pool bytes [0x1e, 0x28)",
+			"this tensor is grad input 1 of pass 0 backward, a pool-planned buffer, and pass 1 backward's replay overwrote it (pool bytes [0x6e, 0x73)",
+		}},
+		{Graph{9, 0}, nil}, // unknown
+	}
+	for _, c := range cases {
+		got := p.Clobbers(c.g)
+		if len(got) != len(c.want) {
+			t.Fatalf("%v: %d clobbers %+v, want %d", c.g, len(got), got, len(c.want))
+		}
+		for i, w := range c.want {
+			if !strings.Contains(got[i].Message, w) {
+				t.Errorf("%v clobber %d: %q lacks %q", c.g, i, got[i].Message, w)
+			}
+		}
+	}
+	if got := p.Clobbers(b1); got[0].Owner != f0 || got[0].Index != 0 || got[1].Owner != b0 || got[1].Index != 1 {
+		t.Errorf("owners %+v", got)
+	}
+	p.ForgetPass(0)
+	if got := p.Clobbers(b1); len(got) != 0 {
+		t.Errorf("after pass 0 was reset: %+v", got)
+	}
+}
+
+func TestParseHandouts(t *testing.T) {
+	s, err := ParseSpec("name g\nh 0 64 2 grad input 2\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Handouts) != 1 || s.Handouts[0] != (Handout{Range{0, 64}, 2, "grad input 2"}) {
+		t.Errorf("%+v", s.Handouts)
+	}
+	for _, bad := range []string{"h 0 64", "h 0 64 x y", "h a 64 0 y"} {
+		if _, err := ParseSpec(bad); err == nil {
+			t.Errorf("%q parsed", bad)
+		}
+	}
+	if err := NewPool().Add(f0, Spec{Name: "x", Handouts: []Handout{{Range{4, 4}, 0, "o"}}}); err == nil {
+		t.Error("an empty hand-out accepted")
 	}
 }

@@ -106,6 +106,30 @@ func (l *Ledger) SetRecarveSpec(id int64, kind Kind, spec string) error {
 	return p.order.carve.Add(recarve.Graph{Pass: id, Kind: int(kind)}, s)
 }
 
+// RecarveClobbers lists the hand-outs of other graphs (pool-planned
+// buffers returned to the caller) that replaying pass id's kind graph
+// overwrites, as the precise checker knows them; none when it does not
+// know the graph.
+func (l *Ledger) RecarveClobbers(id int64, kind Kind) ([]recarve.Clobber, error) {
+	if err := checkKind(kind); err != nil {
+		return nil, err
+	}
+	p, err := l.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer p.mu.Unlock()
+	if p.order == nil {
+		return nil, nil
+	}
+	p.order.mu.Lock()
+	defer p.order.mu.Unlock()
+	if p.order.carve == nil {
+		return nil, nil
+	}
+	return p.order.carve.Clobbers(recarve.Graph{Pass: id, Kind: int(kind)}), nil
+}
+
 // flight is an open pass: its replay chain started and has kinds to come.
 type flight struct {
 	id       int64

@@ -318,9 +318,14 @@ func TestReplayOrderConcurrent(t *testing.T) {
 		for i := layers - 1; i >= 0; i-- {
 			capture(t, l, ids[i], Backward, pool, int64(pi+1))
 		}
-		for _, id := range ids {
+		for i, id := range ids {
 			must(t, l.SetOrderCheck(id, true))
 			must(t, l.Seal(id))
+			if pi%2 == 1 { // half the pools with the precise checker's specs
+				lo := i * 1000
+				must(t, l.SetRecarveSpec(id, Forward, fmt.Sprintf("name f\nw %d %d\nh %d %d 0 output 0", lo, lo+100, lo, lo+10)))
+				must(t, l.SetRecarveSpec(id, Backward, fmt.Sprintf("name b\nw %d %d\nr %d %d %d 0 saved", lo+200, lo+300, lo+10, lo+100, id)))
+			}
 		}
 		wg.Add(2)
 		go func() {
@@ -345,6 +350,8 @@ func TestReplayOrderConcurrent(t *testing.T) {
 			for it := 0; it < iters; it++ {
 				_ = l.OrderState(pool)
 				_, _, _ = l.CaptureSeq(ids[it%layers], Forward)
+				_, _ = l.RecarveClobbers(ids[it%layers], Backward)
+				_ = l.CheckOrder(ids[it%layers], Forward)
 			}
 		}()
 	}

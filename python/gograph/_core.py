@@ -63,6 +63,7 @@ NAMES = (
     "discard_replay_order",
     "replay_order_state",
     "set_replay_recarve_spec",
+    "replay_clobbers",
 )
 
 

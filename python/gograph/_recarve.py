@@ -7,8 +7,10 @@ graph writes every block its capture allocated; it reads the blocks, live when i
 began, that hold what it was captured reading: a forward its chained inputs (the previous
 layer's output, which a replay never copies in), a backward (and a weight-gradient pass) the
 tensors its forward saved. Each read names the graph whose capture allocated that block, its
-producer. Copies into static buffers happen outside the graphs and are not tracked. The core
-then checks every replay against those sets instead of the capture order. Nothing here decides.
+producer. Copies into static buffers happen outside the graphs and are not tracked. A graph
+also hands the caller its pool-planned buffers (a released output, a released input grad): the
+core says which replays overwrite them (``_handouts``). The core then checks every replay
+against those sets instead of the capture order. Nothing here decides.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from . import _core, _plan, _torch
+from ._handouts import WATCH
 from ._probe import AllocationTrace, op_spans
 from ._state import PassState
 
@@ -32,7 +35,8 @@ _KIND_OF_OP = {_plan.CAPTURE_FORWARD: 0, _plan.CAPTURE_BACKWARD: 1, _plan.CAPTUR
 _KIND_NAMES = ("forward", "backward", "weight-gradient pass")
 
 Graph = tuple[int, int]  # (pass id, kind)
-Spec = dict[str, Any]  # {"name": str, "writes": [(start, end)], "reads": [(start, end, producer, what)]}
+Spec = dict[str, Any]  # name, writes [(start, end)], reads [(start, end, producer, what)], handouts
+#                        [(start, end, index, what)]
 
 
 class CaptureRecorder(AllocationTrace):
@@ -50,7 +54,10 @@ class CaptureRecorder(AllocationTrace):
         def pack(t: torch.Tensor) -> torch.Tensor:
             s = t.untyped_storage()
             noted.append((int(s.data_ptr()), int(s.nbytes())))
-            return t
+            # Detached: the op's own output returned as itself would hold its grad_fn, a
+            # reference cycle through autograd's C++ nodes that no collector frees (and that
+            # would keep pool blocks the plan hands back).
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
@@ -84,7 +91,7 @@ def specs(rec: CaptureRecorder, ops: Sequence[_plan.Op], states: Sequence[PassSt
             st = states[ops[i].pass_index]
             g = (st.pass_id, _KIND_OF_OP[ops[i].kind])
             out[g] = {"name": f'pass {st.pass_id} ("{st.spec.label}") {_KIND_NAMES[g[1]]}', "writes": [],
-                      "reads": _reads(rec, st, g[1], live)}  # fmt: skip
+                      "reads": _reads(rec, st, g[1], live), "handouts": []}  # fmt: skip
         for e in span:
             action, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
             if action == "alloc" and g is not None:
@@ -92,7 +99,24 @@ def specs(rec: CaptureRecorder, ops: Sequence[_plan.Op], states: Sequence[PassSt
                 out[g]["writes"].append((addr, addr + max(size, 1)))
             elif action == "free_completed":
                 live.pop(addr, None)
+    for st in states:  # what was released is known once every capture ran
+        for g, handouts in _handouts(st):
+            if g in out:
+                out[g]["handouts"] = handouts
     return out
+
+
+def _handouts(st: PassState) -> list[tuple[Graph, list[tuple[int, int, int, str]]]]:
+    """The pool-planned buffers the pass's forward and backward hand the caller."""
+    outs, grads = [], []
+    for role, i in sorted(st.released):
+        if role == "o" and i < len(st.static_outputs):
+            a, n = _storage(st.static_outputs[i])
+            outs.append((a, a + max(n, 1), i, f"output {i}"))
+        elif role == "d" and i < len(st.static_grad_inputs) and (grad := st.static_grad_inputs[i]) is not None:
+            a, n = _storage(grad)
+            grads.append((a, a + max(n, 1), i, f"the grad of input {i}"))
+    return [((st.pass_id, 0), outs), ((st.pass_id, 1), grads)]
 
 
 def _reads(rec: CaptureRecorder, st: PassState, kind: int, live: dict[int, tuple[int, Graph]]) -> list[Any]:
@@ -121,4 +145,6 @@ def send(graph_specs: dict[Graph, Spec]) -> None:
         lines = [f"name {s['name']}"]
         lines += [f"w {a} {b}" for a, b in s["writes"]]
         lines += [f"r {a} {b} {p[0]} {p[1]} {what}" for a, b, p, what in s["reads"]]
+        lines += [f"h {a} {b} {i} {what}" for a, b, i, what in s.get("handouts", ())]
         _core.set_replay_recarve_spec(pass_id, kind, "\n".join(lines) + "\n")
+        WATCH.register((pass_id, kind), [i for _, _, i, _ in s.get("handouts", ())])

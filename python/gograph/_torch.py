@@ -33,6 +33,7 @@ __all__ = [
     "is_current_stream_capturing",
     "memory_stats",
     "nonowning_view",
+    "poison_storage",
     "release_pool",
     "run_backward",
     "set_device",
@@ -115,6 +116,13 @@ def nonowning_view(t: Tensor) -> Tensor:
     view = torch.empty((0,), dtype=t.dtype, device=t.device)
     view.set_(ws, t.storage_offset(), t.size(), t.stride())
     return view
+
+
+def poison_storage(storage: torch.UntypedStorage, message: str) -> None:
+    """Makes every later access to ``storage``'s data (by any tensor over it) raise RuntimeError
+    with ``message`` (torch.compile's check for overwritten CUDA-graph outputs). Only for a
+    non-owning storage: its memory belongs to someone else and is not freed."""
+    torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

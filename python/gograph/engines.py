@@ -489,6 +489,14 @@ def _cuda_device(device: torch.device | int | str | None) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 # Eager (CPU reference)
 # ---------------------------------------------------------------------------------------------
+def _is_cuda_pool_token(pool: Any) -> bool:
+    """``torch.cuda.graph_pool_handle()``'s token: a pair of non-negative ints, not (0, 0) (torch's
+    id of no pool)."""
+    return (
+        isinstance(pool, tuple) and len(pool) == 2 and all(type(x) is int and x >= 0 for x in pool) and pool != (0, 0)
+    )
+
+
 class EagerPool:
     """Opaque pool token of the eager engine (it allocates nothing from pools; the core counts
     the references captures take so that release can be checked)."""
@@ -561,12 +569,15 @@ class EagerEngine(Engine):
         return EagerPool()
 
     def check_pool(self, pool: Any) -> None:
-        """The eager engine takes its own tokens (``gograph.graph_pool_handle()`` without CUDA)."""
-        if pool is not None and not isinstance(pool, EagerPool):
-            raise TypeError(
-                f"gograph: pool must be a token from gograph.graph_pool_handle() (an EagerPool on the eager "
-                f"engine) or None, got {pool!r}"
-            )
+        """The eager engine takes its own tokens (``gograph.graph_pool_handle()`` without CUDA) and,
+        on a machine with CUDA, the ``(int, int)`` token ``graph_pool_handle()`` returns there: calls
+        that pass the same token share one pool, whichever engine runs them."""
+        if pool is None or isinstance(pool, EagerPool) or _is_cuda_pool_token(pool):
+            return
+        raise TypeError(
+            f"gograph: pool must be a token from gograph.graph_pool_handle() (an EagerPool on the eager "
+            f"engine) or None, got {pool!r}"
+        )
 
     def new_pass(self, index: int, label: str) -> int:
         pass_id = super().new_pass(index, label)

@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _core, _plan, _torch
 from ._bodies import flat_tuple_spec
+from ._handouts import WATCH
 from .engines import BACKWARD, CAPTURE_STATE, FORWARD, WGRAD, CudaEngine, Engine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -462,7 +463,12 @@ class GraphedCallable:
             self.engine.replay(self.pass_id, FORWARD)
         else:
             self._launch(FORWARD, opts)
-        return tuple([o.detach() for o in outputs])
+        out = tuple([o.detach() for o in outputs])
+        if self._check_replay_order and WATCH.watches(self.pass_id, FORWARD):
+            handed = list(out)
+            WATCH.after_replay(self.pass_id, FORWARD, handed)  # debug: pool-planned hand-outs
+            return tuple(handed)
+        return out
 
     def _replay_backward(
         self, grads: tuple[Tensor | None, ...], opts: tuple[Any, Any] | None = None
@@ -488,6 +494,8 @@ class GraphedCallable:
         else:
             self._launch(BACKWARD, opts)
         out = [None if b is None else b.detach() for b in static_grad_inputs]
+        if self._check_replay_order and WATCH.watches(self.pass_id, BACKWARD):
+            WATCH.after_replay(self.pass_id, BACKWARD, out)  # debug: pool-planned hand-outs
         if self._param_grad_slots:
             self._own_param_grads(out)
         return tuple(out)
@@ -529,6 +537,8 @@ class GraphedCallable:
         if wgrad is None:
             return
         self.engine.replay(self.pass_id, WGRAD)
+        if self._check_replay_order and WATCH.watches(self.pass_id, WGRAD):
+            WATCH.after_replay(self.pass_id, WGRAD, [])
         for m in wgrad.modules():
             trigger = getattr(m, "_trigger_wgrad_accumulation_and_reduce_hooks", None)
             if trigger is not None and m.need_backward_dw():
@@ -598,6 +608,7 @@ class GraphedCallable:
         try:
             if self.shared.lent is not None:
                 self.shared.lent.drop_pass(self.pass_id)
+            WATCH.forget(self.pass_id)
             self.engine.synchronize()
             self.engine.release(self.pass_id, self.pool)
         finally:
@@ -609,6 +620,7 @@ class GraphedCallable:
 
 
 def _finalize(engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | None) -> None:
+    WATCH.forget(pass_id)
     if lent is not None:
         try:
             lent.drop_pass(pass_id)
@@ -665,8 +677,6 @@ class _GraphedFunction(torch.autograd.Function):
 
 def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
     graphed: GraphedCallable = ctx.graphed
-    if graphed._check_replay_order:  # debug guard: refuse before the grad buffers are written
-        _core.check_replay_order(graphed.pass_id, BACKWARD)
     if getattr(ctx, "gograph_backward_done", False) and not graphed._retain_graph_in_backward:
         # The backward graph consumes its forward's activations (their pool memory is reused
         # inside the backward graph), so a second run would compute from overwritten memory.
@@ -676,6 +686,8 @@ def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
             "cannot keep graph activations unless the callable was graphed with retain_graph_in_backward=True): "
             "call the graphed callable again and backward through its new outputs"
         )
+    if graphed._check_replay_order:  # debug guard: refuse before the grad buffers are written
+        _core.check_replay_order(graphed.pass_id, BACKWARD)
     ctx.gograph_backward_done = True
     return (None, None, *graphed._replay_backward(grads, ctx.opts))
 

@@ -18,6 +18,8 @@ from helpers import make_mlp
 
 @pytest.fixture
 def recording_core(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    # The counts below are the default path's; GOGRAPH_DEBUG=1 adds the checkers' calls.
+    monkeypatch.delenv("GOGRAPH_DEBUG", raising=False)
     log: list[str] = []
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

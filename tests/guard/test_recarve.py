@@ -18,11 +18,13 @@ import torch
 
 import gograph
 from gograph import _core, _plan, _recarve
+from gograph._handouts import WATCH
 
 
 def _state(index: int, pass_id: int, **kw: Any) -> Any:
     base = {"index": index, "pass_id": pass_id, "spec": SimpleNamespace(label=f"L{index}"), "flat_args": (),
-            "chained_inputs": set(), "chained_grad_outputs": set(), "static_grad_outputs": ()}  # fmt: skip
+            "chained_inputs": set(), "chained_grad_outputs": set(), "static_grad_outputs": (), "released": set(),
+            "static_outputs": (), "static_grad_inputs": ()}  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -49,7 +51,8 @@ def test_specs_from_a_capture_trace() -> None:
     ]  # fmt: skip
     rec.marks = [0, 1, 2, 4, 4, 5, 5]
     got = _recarve.specs(rec, ops, states)
-    assert got[(10, 0)] == {"name": 'pass 10 ("L0") forward', "writes": [(0x1000, 0x1040)], "reads": []}
+    assert got[(10, 0)] == {"name": 'pass 10 ("L0") forward', "writes": [(0x1000, 0x1040)], "reads": [],
+                            "handouts": []}  # fmt: skip
     assert got[(11, 0)]["reads"] == [(0x1000, 0x1040, (10, 0), "its chained input 0")]
     assert got[(11, 1)]["writes"] == [(0x3000, 0x3040)]
     assert got[(11, 1)]["reads"] == [
@@ -59,13 +62,30 @@ def test_specs_from_a_capture_trace() -> None:
     assert got[(10, 1)]["writes"] == [(0x2000, 0x2040)]
     # Its chained grad output is no read: a replay copies the incoming grad in unless it is B1's.
     assert got[(10, 1)]["reads"] == [(0x1000, 0x1040, (10, 0), "what pass 10's forward saved")]
+    assert all(not s["handouts"] for s in got.values())  # nothing was released
+
+
+def test_released_buffers_are_handouts() -> None:
+    """A released output is its forward's hand-out, a released input grad its backward's; a
+    released parameter grad is not (it reaches .grad owned or lent: LentGrads watches it)."""
+    ops = [_plan.Op("F", 0), _plan.Op("B", 0)]
+    st = _state(0, 12, released={("o", 1), ("d", 0), ("p", 1)}, static_outputs=(_at(0x100, 8), _at(0x200, 16)),
+                static_grad_inputs=(_at(0x300, 32), _at(0x400, 8)))  # fmt: skip
+    rec = _recarve.CaptureRecorder(torch.device("cuda", 0))
+    rec.entries, rec.marks = [], [0, 0, 0]
+    got = _recarve.specs(rec, ops, [st])
+    assert got[(12, 0)]["handouts"] == [(0x200, 0x210, 1, "output 1")]
+    assert got[(12, 1)]["handouts"] == [(0x300, 0x320, 0, "the grad of input 0")]
+
+
+def _module(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
 
 
 def _build(pool: Any, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
     return gograph.make_graphed_callables(
-        m, (torch.randn(4, 8, requires_grad=True),), engine="eager", pool=pool, debug_replay_order=True
+        _module(seed), (torch.randn(4, 8, requires_grad=True),), engine="eager", pool=pool, debug_replay_order=True
     )
 
 
@@ -131,3 +151,61 @@ def test_an_overwrite_of_needed_memory_is_refused() -> None:
     ya.sum().backward()  # A's backward still runs: the refused replay changed nothing
     a.reset()
     b.reset()
+
+
+def _handout_pair() -> tuple[Any, Any]:
+    """A's forward hands out its output at [0, 40) of the pool, pool-planned; B's forward capture
+    re-carved [10, 30) of it (A's backward reads only [40, 100), what its forward saved)."""
+    a, b = _pair()
+    pa, pb = a.forward.pass_id, b.forward.pass_id
+    _recarve.send({
+        (pa, 0): {"name": "A forward", "writes": [(0, 100)], "reads": [], "handouts": [(0, 40, 0, "output 0")]},
+        (pa, 1): {"name": "A backward", "writes": [(200, 250)], "reads": [(40, 100, (pa, 0), "its saved")]},
+        (pb, 0): {"name": "B forward", "writes": [(10, 30), (300, 400)], "reads": []},
+        (pb, 1): {"name": "B backward", "writes": [(500, 550)], "reads": [(300, 400, (pb, 0), "its saved")]},
+    })  # fmt: skip
+    return a, b
+
+
+def test_a_held_handout_overwritten_by_another_graph_raises_on_read() -> None:
+    a, b = _handout_pair()
+    twin = _module(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    ya = a(x)
+    assert torch.equal(ya, twin(x))  # readable until another graph overwrites it
+    ya.sum().backward()
+    kept, view, cloned = ya, ya[1:], ya.clone()
+    b(x).sum().backward()  # B's replay overwrites A's output
+    for t in (kept, view):
+        match = (r"this tensor is output 0 of A forward, a pool-planned buffer, and B forward's replay overwrote"
+                 r" it \(pool bytes \[0xa, 0x1e\).*clone a returned tensor")  # fmt: skip
+        with pytest.raises(RuntimeError, match=match):
+            t.sum()
+    assert torch.equal(cloned, twin(x))  # what was read or cloned in time stays right
+    assert len(WATCH) == 0
+    a.reset()
+    b.reset()
+
+
+def test_handouts_read_in_time_pass() -> None:
+    a, b = _handout_pair()
+    twin = _module(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        yb = b(x)  # B first, then A: A's output is fresh
+        ya = a(x)
+        yb.sum().backward()
+        ya.sum().backward()
+        assert torch.equal(ya, twin(x))
+        ya = a(x)  # a new replay of A hands out a new tensor; the old one was overwritten by A itself
+        ya.sum().backward()
+        assert torch.equal(ya, twin(x))
+        del ya  # nothing holds it: B's replay has nothing to poison
+        b(x).sum().backward()
+    assert len(WATCH) == 0
+    y = a(x)
+    a.reset()
+    b.reset()
+    assert len(WATCH) == 0
+    with pytest.raises(RuntimeError, match="handed out .*was reset since"):  # its memory went with the pass
+        y.sum()

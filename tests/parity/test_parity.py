@@ -46,8 +46,9 @@ def test_pool_shared_between_calls_and_torch_style_pool_tokens():
     pool = gograph.graph_pool_handle()
     a, b = make_mlp(seed=1), make_mlp(seed=2)
     ra, rb = twin(a), twin(b)
-    gograph.make_graphed_callables(a, (torch.randn(2, 8),), pool=pool)
-    gograph.make_graphed_callables(b, (torch.randn(2, 4 * 2),), pool=pool)
+    # Forwards whose backward never runs: the debug replay-order guard would refuse them by design.
+    gograph.make_graphed_callables(a, (torch.randn(2, 8),), pool=pool, debug_replay_order=False)
+    gograph.make_graphed_callables(b, (torch.randn(2, 4 * 2),), pool=pool, debug_replay_order=False)
     assert a.forward.pool is pool and b.forward.pool is pool
     x = torch.randn(2, 8)
     assert torch.equal(a(x), ra(x)) and torch.equal(b(x), rb(x))
@@ -207,3 +208,21 @@ def test_build_backward_takes_torch_autograd_grad_unless_plain(small_graph, monk
         got = _bodies.autograd_grad(outs, inputs, (g,), False)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert (len(engine_calls) == 1) == (case == "plain")
+
+
+def test_eager_engine_takes_torch_cuda_pool_tokens():
+    """On a machine with CUDA, graph_pool_handle() returns torch's (int, int) token; calls run by
+    the eager engine (CPU modules) share a pool through it as they would through an EagerPool."""
+    token = (0, 987654)
+    a, b = make_mlp(seed=1), make_mlp(seed=2)
+    for m in (a, b):
+        gograph.make_graphed_callables(m, (torch.randn(2, 8, requires_grad=True),), pool=token, engine="eager")
+    engine = a.forward.engine
+    assert a.forward.pool == token and b.forward.engine is engine
+    assert engine.pool_refs(token) == 4  # forward and backward graphs of both calls
+    a.reset()
+    assert engine.pool_refs(token) == 2
+    b.reset()
+    assert engine.pool_refs(token) == 0
+    with pytest.raises(TypeError, match="pool must be a token"):
+        gograph.make_graphed_callables(make_mlp(), (torch.randn(2, 8),), pool=(0, "x"), engine="eager")

@@ -711,22 +711,33 @@ def test_encode_order() -> None:
     assert _plan.encode_layers([1, 2]) == "1,2"
 
 
-def test_eager_engine_catches_replays_outside_the_schedule() -> None:
+@pytest.mark.parametrize("debug", [False, True], ids=["autograd", "debug-guard"])
+def test_eager_engine_catches_replays_outside_the_schedule(debug: bool) -> None:
     # Buffer reuse is only valid for replays in schedule order: two passes that share an input
     # slot, run overlapping, make the eager engine's autograd refuse the stale backward (a graph
-    # would silently read the overwritten buffer).
+    # would silently read the overwritten buffer); in debug mode the replay-order guard refuses
+    # the second forward before it overwrites anything.
     mods = (Block(FEATURES, 0), Block(FEATURES, 1))
     graphed = gograph.make_graphed_callables(
-        mods, _samples(6), _order=ORDER_2x1x3, num_warmup_iters=1, _reuse_graph_input_output_buffers=True
+        mods,
+        _samples(6),
+        _order=ORDER_2x1x3,
+        num_warmup_iters=1,
+        _reuse_graph_input_output_buffers=True,
+        debug_replay_order=debug,
     )
     by_ptr: dict[int, list[int]] = {}
     for p, g in enumerate(graphed):
         by_ptr.setdefault(g.static_input_surface[0].data_ptr(), []).append(p)
     a, b = next(v for v in by_ptr.values() if len(v) > 1)[:2]
     out_a = graphed[a](torch.randn(ROWS, FEATURES, requires_grad=True))
-    graphed[b](torch.randn(ROWS, FEATURES, requires_grad=True))
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        out_a.sum().backward()
+    if debug:
+        with pytest.raises(RuntimeError, match="replay order: refusing to replay the forward"):
+            graphed[b](torch.randn(ROWS, FEATURES, requires_grad=True))
+    else:
+        graphed[b](torch.randn(ROWS, FEATURES, requires_grad=True))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out_a.sum().backward()
     for g in graphed:
         g.reset()
 
