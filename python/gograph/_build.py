@@ -16,23 +16,46 @@ generator state restored, and the error raised again naming the callable and the
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from . import _core, _observe, _plan, _recarve, _reuse
+from . import _args, _core, _observe, _plan, _recarve, _reuse
 from ._args import PassSpec, Request
 from ._captures import apply_slots, run_captures
 from ._state import PassState
 from ._warmup import WarmupObserver, run_warmup
-from .engines import CudaEngine, Engine
+from .engines import CudaEngine, Engine, resolve_engine
 from .graphed import GraphedCallable, PassResult, Shared, lent_grads
 
-__all__ = ["Build"]
+__all__ = ["Build", "prepared"]
 
 log = logging.getLogger("gograph")
+
+
+@contextlib.contextmanager
+def prepared(req: Request) -> Iterator[Build]:
+    """The executor of ``req``: the schedule the core plans for it (held by handle, freed on
+    exit), one spec per pass, the engine its tensors resolve to (checked against the request).
+    ``make_graphed_callables`` runs it; ``plan_memory`` probes it."""
+    schedule = _plan.plan_schedule(
+        req.order,
+        req.layers,
+        len(req.callables),
+        len(req.sample_args),
+        req.training if req.ordered else True,
+        req.num_warmup_iters,
+    )
+    try:
+        specs = _args.pass_specs(req, schedule)
+        engine = resolve_engine(req.engine, [t for s in specs for t in (*s.flat_args, *s.params)])
+        _args.check_for_engine(req, specs, engine)
+        yield Build(req, schedule, specs, engine)
+    finally:
+        schedule.free()
 
 
 class Build:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch
 
-from . import _args, _core, _native, _plan
-from ._build import Build
-from .engines import EagerPool, resolve_engine
+from . import _args, _core, _native
+from ._build import prepared
+from .engines import EagerPool
 from .graphed import GraphedCallable
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
@@ -183,22 +183,9 @@ def make_graphed_callables(
     """
     _refuse_nested_build()
     req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
-    schedule = _plan.plan_schedule(
-        req.order,
-        req.layers,
-        len(req.callables),
-        len(req.sample_args),
-        req.training if req.ordered else True,
-        req.num_warmup_iters,
-    )
-    try:
-        specs = _args.pass_specs(req, schedule)
-        engine = resolve_engine(req.engine, [t for s in specs for t in (*s.flat_args, *s.params)])
-        _args.check_for_engine(req, specs, engine)
-        graphed = Build(req, schedule, specs, engine).run()
-    finally:
-        schedule.free()
-    ret = [_attach(g, spec, req.ordered) for g, spec in zip(graphed, specs)]
+    with prepared(req) as build:
+        graphed = build.run()
+    ret = [_attach(g, spec, req.ordered) for g, spec in zip(graphed, build.specs)]
     return ret[0] if req.just_one else tuple(ret)
 
 

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _args, _core, _plan, _probe, _static_bytes, _torch
-from ._build import Build
+from . import _args, _core, _probe, _static_bytes, _torch
+from ._build import prepared
 from ._observe import fmt_bytes, json_text
-from .engines import CudaEngine, resolve_engine
+from .engines import CudaEngine
 from .graphs import _refuse_nested_build
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
@@ -139,21 +139,15 @@ def plan_memory(
     req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
     allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
     req = dataclasses.replace(req, num_warmup_iters=1, progress=False)
-    schedule = _plan.plan_schedule(
-        req.order, req.layers, len(req.callables), len(req.sample_args), req.training if req.ordered else True, 1
-    )
-    try:
-        specs = _args.pass_specs(req, schedule)
-        engine = resolve_engine(req.engine, [t for s in specs for t in (*s.flat_args, *s.params)])
-        _args.check_for_engine(req, specs, engine)
-        found = _probe.probe(Build(req, schedule, specs, engine))
+    with prepared(req) as build:
+        found = _probe.probe(build)
+        handle = build.schedule.handle
         prediction = (
             None
             if found.trace is None
-            else str(_core.plan_memory(schedule.handle, found.facts, req.reuse, req.chain, found.release, found.trace))
+            else str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, found.trace))
         )
-    finally:
-        schedule.free()
+    engine = build.engine
     if isinstance(engine, CudaEngine):
         _leave_allocator_as_found(engine, allocated)
     return _assemble(engine.name, found, prediction)
