@@ -15,6 +15,15 @@ and the memory report's static bytes.
   python bench/footprint.py --workloads chain --json out.json
   python bench/footprint.py --arms eager,gograph,gograph:chain_buffers=true+shared_samples=true --jobs 4
   python bench/footprint.py --cell chain gograph none      # one cell, in this process (JSON line)
+
+Bench options in an arm (not gograph's): ``shared_samples``, ``loss_in_graph`` (see graph());
+``copies`` (eager: the copies any graph needs); for the pipeline ``recv`` (every chunk input is
+received at its forward and dropped after its backward, as on a pipeline rank, instead of made
+up front) and ``recv_into_static`` (gograph: received straight into the graph's static input,
+Megatron-LM's pattern, so the replay copies nothing in). Compare ``recv`` arms with ``recv`` arms:
+
+  python bench/footprint.py --workloads pipeline --arms eager:recv=1,eager:recv=1+copies=1,\
+      gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1
 """
 
 from __future__ import annotations
@@ -124,6 +133,9 @@ def run_cell(
         torch.use_deterministic_algorithms(True, warn_only=True)
     wl = workload(name, small)
     maker, kwargs = parse_arm(arm)
+    # The bench's pipeline options: chunk inputs received at their forward (recv), into the
+    # graphs' static inputs (recv_into_static, gograph arms).
+    recv, into_static = bool(kwargs.pop("recv", False)), bool(kwargs.pop("recv_into_static", False))
     layers = wl.build(device)
     opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=1e-3)
     gc.collect()
@@ -146,13 +158,17 @@ def run_cell(
         if detail:
             result["after_build"] = {**pool_split(), "allocated": torch.cuda.memory_allocated() - base_alloc}
     gen = torch.Generator(device=device).manual_seed(1)
+    into = {k: calls[p].static_input_surface[0] for k, p in wl.first_passes().items()} if into_static else {}
     tr = Trace(trace)
     if trace:
         tr.mark("before steps")
         calls = tr.wrap(calls)
     for s in range(steps):
         tr.step = s
-        wl.step(calls, wl.batch(gen, device))
+        batch = wl.batch(gen, device, recv=recv or into_static)
+        batch.into = into
+        wl.step(calls, batch)
+        del batch
         tr.mark("after backward")
         opt.step()
         tr.mark("after optimizer")

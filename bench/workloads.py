@@ -36,10 +36,29 @@ Step = Callable[[Sequence[Callable[..., Any]], "Batch"], None]
 @dataclass
 class Batch:
     """One training step's data: the first layer's input(s) and, for the pipeline, the output
-    grads of each chunk backward."""
+    grads of each chunk backward.
+
+    A pipeline batch made with ``recv=True`` has no inputs up front: chunk input k is
+    *received* right before its forward (drawn from ``gen`` then, in schedule order, the same in
+    every arm), into ``into[k]`` when given (a graph's static input: Megatron-LM's receive into
+    the graph's buffer, which makes the replay's copy-in a no-op) or a fresh tensor, and dropped
+    after its backward, when a pipeline has sent its grad."""
 
     inputs: list[Tensor]
     grads: list[Tensor] = field(default_factory=list)
+    gen: torch.Generator | None = None  # recv: where received data comes from
+    into: dict[int, Tensor] = field(default_factory=dict)  # recv: chunk input k lands in into[k]
+
+    def receive(self, k: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Chunk input k: pre-made, or received now (see the class docstring)."""
+        if self.gen is None:
+            return self.inputs[k]
+        target = self.into.get(k)
+        if target is None:
+            return torch.randn(shape, generator=self.gen, device=device, dtype=dtype).requires_grad_()
+        with torch.no_grad():
+            target.copy_(torch.randn(shape, generator=self.gen, device=device, dtype=dtype))
+        return target
 
 
 class MLP(torch.nn.Module):
@@ -159,14 +178,23 @@ class Workload:
             return {}
         return {"_order": self.order, "_num_layers_per_chunk": self.layers_per_chunk}
 
-    def batch(self, gen: torch.Generator, device: torch.device) -> Batch:
+    def batch(self, gen: torch.Generator, device: torch.device, recv: bool = False) -> Batch:
+        """A step's data; ``recv`` (pipeline): chunk inputs received at their forward (Batch)."""
+
         def rnd(rg: bool) -> Tensor:
             return torch.randn(self.input_shape, generator=gen, device=device, dtype=self.dtype).requires_grad_(rg)
 
         if self.order is None:
             return Batch([rnd(False)])
         n = self.chunks * self.microbatches
+        if recv:
+            return Batch([], [rnd(False) for _ in range(n)], gen=gen)
         return Batch([rnd(True) for _ in range(n)], [rnd(False) for _ in range(n)])
+
+    def first_passes(self) -> dict[int, int]:
+        """Pipeline: chunk input k -> the pass that reads it (its chunk's first layer)."""
+        L, M = self.layers_per_chunk, self.microbatches
+        return {c * M + m: c * L * M + m * L for c in range(self.chunks) for m in range(M)}
 
     def step(self, calls: Sequence[Callable[..., Any]], batch: Batch) -> None:
         """Forward through every pass and backward (grads accumulate in ``.grad``)."""
@@ -186,12 +214,13 @@ class Workload:
         fwd = [0] * self.chunks
         bwd = [0] * self.chunks
         outs: dict[tuple[int, int], Tensor] = {}
+        received: dict[int, Tensor] = {}
         for e in self.order:
             c = abs(e) - 1
             if e > 0:
                 m = fwd[c]
                 fwd[c] += 1
-                x = batch.inputs[c * M + m]
+                x = received[c * M + m] = batch.receive(c * M + m, self.input_shape, self.dtype, batch.grads[0].device)
                 for li in range(L):
                     x = calls[c * L * M + m * L + li](x)
                 outs[(c, m)] = x
@@ -199,7 +228,7 @@ class Workload:
                 m = bwd[c]
                 bwd[c] += 1
                 outs.pop((c, m)).backward(batch.grads[c * M + m])
-                batch.inputs[c * M + m].grad = None  # sent to the previous rank (dropped here)
+                received.pop(c * M + m).grad = None  # sent to the previous rank (dropped here)
 
     def static_copies(self, calls: Sequence[Callable[..., Any]]) -> list[Callable[..., Any]]:
         """Eager calls that also make the copies any CUDA graph needs (the ``eager:copies=1``

@@ -2,7 +2,7 @@
 # Runs on the GPU machine (the device tool), in a copy of this repo whose
 # python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
 # Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem] [capture]
-#                                [footprint] [steptime] [plan]
+#                                [footprint] [recv] [steptime] [plan]
 #        (default: tests demo)
 # Logs go to $OUT (the device tool's return folder) when set.
 set -uo pipefail
@@ -30,10 +30,13 @@ for w in "${what[@]}"; do
     plan) timeout 300 python3 bench/plan_accuracy.py --jobs 5 --json "$out/plan.json" 2>&1 | tee "$out/plan.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     footprint) timeout 500 python3 bench/footprint.py --jobs 4 --arms eager,eager:copies=1,torch,gograph,gograph:chain_buffers=true,gograph:chain_buffers=true+shared_samples=true \
                  --json "$out/footprint.json" 2>&1 | tee "$out/footprint.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    recv) timeout 400 python3 bench/footprint.py --jobs 3 --workloads pipeline \
+                 --arms eager:recv=1,eager:recv=1+copies=1,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1 \
+                 --json "$out/footprint-recv.json" 2>&1 | tee "$out/footprint-recv.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, steptime, plan)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, steptime, plan)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"
