@@ -14,6 +14,7 @@ bytes. Nothing here decides which replay overwrites what.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +25,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _core, _torch
 
 __all__ = ["WATCH", "HandoutWatch"]
+
+log = logging.getLogger("gograph")
 
 Graph = tuple[int, int]  # (pass id, kind)
 _Key = tuple[int, int, int]  # (pass id, kind, index of the output or grad input)
@@ -75,8 +78,15 @@ class HandoutWatch:
         """Asks the core, for every known graph, which hand-outs its replay overwrites."""
         clobbers: dict[Graph, list[tuple[_Key, str]]] = {}
         for g in list(self._graphs):
+            try:
+                text = _core.replay_clobbers(*g)
+            except RuntimeError as e:  # its pass is gone from the core (dropped without a reset)
+                log.debug("gograph: hand-out watch drops pass %d: %s", g[0], e)
+                with self._lock:
+                    self._graphs.pop(g, None)
+                continue
             lines = []
-            for line in _core.replay_clobbers(*g).splitlines():
+            for line in text.splitlines():
                 owner, owner_kind, index, message = line.split(" ", 3)
                 lines.append(((int(owner), int(owner_kind), int(index)), message))
             clobbers[g] = lines

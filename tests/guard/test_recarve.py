@@ -209,3 +209,14 @@ def test_handouts_read_in_time_pass() -> None:
     assert len(WATCH) == 0
     with pytest.raises(RuntimeError, match="handed out .*was reset since"):  # its memory went with the pass
         y.sum()
+
+
+def test_a_watched_graph_the_core_forgot_is_dropped() -> None:
+    """A graph known to the watch whose pass the core no longer has does not break replays."""
+    a, b = _handout_pair()
+    WATCH.register((987654321, 0), [0])  # no such pass in the core
+    x = torch.randn(4, 8, requires_grad=True)
+    a(x).sum().backward()
+    assert not WATCH.watches(987654321, 0)
+    a.reset()
+    b.reset()
