@@ -254,9 +254,29 @@ func Build(spec Spec) (*Plan, error) {
 		return nil, invalidf("num_warmup_iters=%d with _order: warmup must run at least once, since it discovers which passes need a delayed weight-gradient graph (TransformerEngine fails here with a KeyError)", spec.WarmupIters)
 	}
 
-	// Chunk count, microbatch count and the per-chunk counts TE assumes.
-	chunks, nonW := 0, 0
-	var firstW *Entry
+	chunks, micro, nonW, firstW, err := countOrder(spec)
+	if err != nil {
+		return nil, err
+	}
+	layers, total, err := chunkLayers(spec, chunks, micro, firstW)
+	if err != nil {
+		return nil, err
+	}
+	p := &Plan{Ordered: true, Chunks: chunks, Microbatches: micro, Layers: layers, Callables: total, Passes: total * micro}
+	if err := p.addSteps(order, spec.Training, nonW); err != nil {
+		return nil, err
+	}
+	// The counts add up to chunks*micro*2, no chunk ran more than micro of
+	// either kind, and no backward outran its forward: so every chunk ran
+	// each microbatch exactly once forward and (training) once backward.
+	return p, nil
+}
+
+// countOrder returns the chunk count (the largest forward chunk id), the
+// microbatch count, the number of forward/backward entries and the first
+// weight-gradient entry (nil if none), as TransformerEngine infers them.
+func countOrder(spec Spec) (chunks, micro, nonW int, firstW *Entry, err error) {
+	order := spec.Order
 	for i := range order {
 		e := &order[i]
 		switch e.Kind {
@@ -264,7 +284,7 @@ func Build(spec Spec) (*Plan, error) {
 			chunks = max(chunks, e.Chunk)
 		}
 		if !spec.Training && e.Kind != Forward {
-			return nil, invalidf("%s: the callables are in eval mode, so no backward graphs are captured and _order must list forward entries only (TransformerEngine fails here with a KeyError)", e)
+			return 0, 0, 0, nil, invalidf("%s: the callables are in eval mode, so no backward graphs are captured and _order must list forward entries only (TransformerEngine fails here with a KeyError)", e)
 		}
 		if e.Kind == WGrad {
 			if firstW == nil {
@@ -275,31 +295,37 @@ func Build(spec Spec) (*Plan, error) {
 		nonW++
 	}
 	if chunks == 0 {
-		return nil, invalidf("_order has no forward entries (positive chunk ids)")
+		return 0, 0, 0, nil, invalidf("_order has no forward entries (positive chunk ids)")
 	}
 	perChunk := 2
 	if !spec.Training {
 		perChunk = 1
 	}
-	micro := nonW / chunks / perChunk
+	micro = nonW / chunks / perChunk
 	if micro < 1 || chunks*micro*perChunk != nonW {
 		what := "* 2 (forward and backward)"
 		if !spec.Training {
 			what = "(forward only, eval mode)"
 		}
-		return nil, invalidf("_order has %d forward/backward entries, not num_model_chunks (%d, its largest forward chunk id) * num_microbatches %s: every chunk must run each microbatch once forward%s (TransformerEngine: \"Pipeline-parallel order dimension mismatch\")",
+		return 0, 0, 0, nil, invalidf("_order has %d forward/backward entries, not num_model_chunks (%d, its largest forward chunk id) * num_microbatches %s: every chunk must run each microbatch once forward%s (TransformerEngine: \"Pipeline-parallel order dimension mismatch\")",
 			nonW, chunks, what, map[bool]string{true: " and once backward", false: ""}[spec.Training])
 	}
 
-	// Layers per chunk.
+	return chunks, micro, nonW, firstW, nil
+}
+
+// chunkLayers returns the layers of each chunk (from _num_layers_per_chunk,
+// or inferred from the sample count) and their sum, checked against the
+// callables and samples given.
+func chunkLayers(spec Spec, chunks, micro int, firstW *Entry) ([]int, int, error) {
 	layers := spec.Layers
 	switch {
 	case layers == nil:
 		if firstW != nil {
-			return nil, invalidf("%s: weight-gradient entries need _num_layers_per_chunk, with one layer per chunk (TransformerEngine: \"'_num_layers_per_chunk' must be provided when delay_wgrad_compute is True\")", firstW)
+			return nil, 0, invalidf("%s: weight-gradient entries need _num_layers_per_chunk, with one layer per chunk (TransformerEngine: \"'_num_layers_per_chunk' must be provided when delay_wgrad_compute is True\")", firstW)
 		}
 		if spec.NumSamples%(chunks*micro) != 0 {
-			return nil, invalidf("len(sample_args) = %d is not a multiple of num_model_chunks (%d) * num_microbatches (%d); without _num_layers_per_chunk every chunk has len(sample_args) / (chunks * microbatches) layers", spec.NumSamples, chunks, micro)
+			return nil, 0, invalidf("len(sample_args) = %d is not a multiple of num_model_chunks (%d) * num_microbatches (%d); without _num_layers_per_chunk every chunk has len(sample_args) / (chunks * microbatches) layers", spec.NumSamples, chunks, micro)
 		}
 		l := spec.NumSamples / chunks / micro
 		layers = make([]int, chunks)
@@ -313,29 +339,36 @@ func Build(spec Spec) (*Plan, error) {
 			layers[i] = l
 		}
 	case len(layers) != chunks:
-		return nil, invalidf("_num_layers_per_chunk has %d entries but _order has %d chunks (its largest forward chunk id); it must be an integer or a list of %d integers", len(layers), chunks, chunks)
+		return nil, 0, invalidf("_num_layers_per_chunk has %d entries but _order has %d chunks (its largest forward chunk id); it must be an integer or a list of %d integers", len(layers), chunks, chunks)
 	}
 	total := 0
 	for c, l := range layers {
 		if l < 1 {
-			return nil, invalidf("_num_layers_per_chunk[%d] = %d: every chunk needs at least one layer", c, l)
+			return nil, 0, invalidf("_num_layers_per_chunk[%d] = %d: every chunk needs at least one layer", c, l)
 		}
 		if firstW != nil && l != 1 {
-			return nil, invalidf("%s: with weight-gradient entries every chunk must have exactly one layer, but chunk %d has %d (TransformerEngine treats each layer as a chunk when wgrad is delayed)", firstW, c+1, l)
+			return nil, 0, invalidf("%s: with weight-gradient entries every chunk must have exactly one layer, but chunk %d has %d (TransformerEngine treats each layer as a chunk when wgrad is delayed)", firstW, c+1, l)
 		}
 		total += l
 		if total > MaxChunk {
-			return nil, invalidf("_num_layers_per_chunk adds up to more than %d layers", MaxChunk)
+			return nil, 0, invalidf("_num_layers_per_chunk adds up to more than %d layers", MaxChunk)
 		}
 	}
 	if spec.NumCallables != total {
-		return nil, invalidf("callables should have %d entries (the sum of _num_layers_per_chunk) when _order is given, but got %d", total, spec.NumCallables)
+		return nil, 0, invalidf("callables should have %d entries (the sum of _num_layers_per_chunk) when _order is given, but got %d", total, spec.NumCallables)
 	}
 	if int64(total)*int64(micro) > MaxChunk || spec.NumSamples != total*micro {
-		return nil, invalidf("expected %d sample_args (one per layer per microbatch: %d layers * %d microbatches), but got %d", int64(total)*int64(micro), total, micro, spec.NumSamples)
+		return nil, 0, invalidf("expected %d sample_args (one per layer per microbatch: %d layers * %d microbatches), but got %d", int64(total)*int64(micro), total, micro, spec.NumSamples)
 	}
 
-	p := &Plan{Ordered: true, Chunks: chunks, Microbatches: micro, Layers: layers, Callables: total, Passes: total * micro}
+	return layers, total, nil
+}
+
+// addSteps appends the steps of every order entry: a chunk's forward runs
+// its layers in order, its backward in reverse, a weight-gradient entry
+// pairs with the chunk's latest backward.
+func (p *Plan) addSteps(order []Entry, training bool, nonW int) error {
+	chunks, micro, layers := p.Chunks, p.Microbatches, p.Layers
 	fwd := make([]int, chunks+1)    // forwards run per chunk
 	bwd := make([]int, chunks+1)    // backwards run per chunk
 	wOf := make([]int, chunks+1)    // entry of the wgrad paired with the latest backward, -1 none
@@ -347,12 +380,12 @@ func Build(spec Spec) (*Plan, error) {
 	for _, e := range order {
 		c := e.Chunk
 		if c > chunks {
-			return nil, invalidf("%s: chunk %d has no forward entries (the largest forward chunk id is %d)", e, c, chunks)
+			return invalidf("%s: chunk %d has no forward entries (the largest forward chunk id is %d)", e, c, chunks)
 		}
 		switch e.Kind {
 		case Forward:
 			if fwd[c] == micro {
-				return nil, invalidf("%s: forward of chunk %d for microbatch %d, but there are only %d microbatches (%d forward/backward entries / %d chunks%s)", e, c, fwd[c], micro, nonW, chunks, map[bool]string{true: " / 2", false: ""}[spec.Training])
+				return invalidf("%s: forward of chunk %d for microbatch %d, but there are only %d microbatches (%d forward/backward entries / %d chunks%s)", e, c, fwd[c], micro, nonW, chunks, map[bool]string{true: " / 2", false: ""}[training])
 			}
 			for l := 0; l < layers[c-1]; l++ {
 				p.Steps = append(p.Steps, Step{Kind: Forward, Pass: p.PassIndex(c, fwd[c], l), Callable: p.Prefix(c) + l, Entry: e.Index, Chunk: c, Layer: l, Micro: fwd[c]})
@@ -360,7 +393,7 @@ func Build(spec Spec) (*Plan, error) {
 			fwd[c]++
 		case Backward:
 			if bwd[c] == fwd[c] {
-				return nil, invalidf("%s: backward of chunk %d, microbatch %d, comes before its forward (only %d forward entries of chunk %d precede it); a microbatch runs forward before backward", e, c, bwd[c], fwd[c], c)
+				return invalidf("%s: backward of chunk %d, microbatch %d, comes before its forward (only %d forward entries of chunk %d precede it); a microbatch runs forward before backward", e, c, bwd[c], fwd[c], c)
 			}
 			for l := layers[c-1] - 1; l >= 0; l-- {
 				p.Steps = append(p.Steps, Step{Kind: Backward, Pass: p.PassIndex(c, bwd[c], l), Callable: p.Prefix(c) + l, Entry: e.Index, Chunk: c, Layer: l, Micro: bwd[c]})
@@ -369,20 +402,17 @@ func Build(spec Spec) (*Plan, error) {
 			bwd[c]++
 		case WGrad:
 			if bwd[c] == 0 {
-				return nil, invalidf("%s: weight-gradient pass of chunk %d before any backward of chunk %d; a -(c+0.5) entry pairs with the latest backward (-c) of its chunk", e, c, c)
+				return invalidf("%s: weight-gradient pass of chunk %d before any backward of chunk %d; a -(c+0.5) entry pairs with the latest backward (-c) of its chunk", e, c, c)
 			}
 			if !pendW[c] {
-				return nil, invalidf("%s: the latest backward of chunk %d (%s, microbatch %d) already has its weight-gradient pass (entry %d); a -(c+0.5) entry pairs with the latest backward of its chunk, so each must follow its own backward before the chunk's next one (TransformerEngine: \"Number of wgrad graph doesn't match number of dgrad graphs\")",
+				return invalidf("%s: the latest backward of chunk %d (%s, microbatch %d) already has its weight-gradient pass (entry %d); a -(c+0.5) entry pairs with the latest backward of its chunk, so each must follow its own backward before the chunk's next one (TransformerEngine: \"Number of wgrad graph doesn't match number of dgrad graphs\")",
 					e, c, entryName(order, lastB[c]), bwd[c]-1, wOf[c])
 			}
 			pendW[c], wOf[c] = false, e.Index
 			p.Steps = append(p.Steps, Step{Kind: WGrad, Pass: p.PassIndex(c, bwd[c]-1, 0), Callable: p.Prefix(c), Entry: e.Index, Chunk: c, Layer: 0, Micro: bwd[c] - 1})
 		}
 	}
-	// The counts add up to chunks*micro*2, no chunk ran more than micro of
-	// either kind, and no backward outran its forward: so every chunk ran
-	// each microbatch exactly once forward and (training) once backward.
-	return p, nil
+	return nil
 }
 
 func entryName(order []Entry, idx int) string {
