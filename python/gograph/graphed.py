@@ -620,7 +620,10 @@ class GraphedCallable:
 
 
 def _finalize(engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | None) -> None:
-    WATCH.forget(pass_id)
+    try:
+        WATCH.forget(pass_id)
+    except Exception as e:  # a finalizer must not raise
+        log.warning("gograph: forgetting the hand-outs of pass %d: %s", pass_id, str(e))
     if lent is not None:
         try:
             lent.drop_pass(pass_id)
