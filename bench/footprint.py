@@ -158,7 +158,7 @@ def run_cell(
         if detail:
             result["after_build"] = {**pool_split(), "allocated": torch.cuda.memory_allocated() - base_alloc}
     gen = torch.Generator(device=device).manual_seed(1)
-    into = {k: calls[p].static_input_surface[0] for k, p in wl.first_passes().items()} if into_static else {}
+    into = wl.static_inputs(calls) if into_static else {}
     tr = Trace(trace)
     if trace:
         tr.mark("before steps")
@@ -202,6 +202,13 @@ def run_fresh(name: str, arm: str, mode: str, steps: int, small: bool) -> dict[s
     return dict(json.loads(lines[-1]))
 
 
+def eager_arm(arm: str) -> str:
+    """The eager arm an arm compares with: a ``recv`` arm (chunk inputs received at their forward)
+    with ``eager:recv=1``, every other arm with ``eager``."""
+    opts = parse_arm(arm)[1]
+    return "eager:recv=1" if opts.get("recv") or opts.get("recv_into_static") else "eager"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per cell, MiB and ratios to the eager and torch arms of the same workload/mode."""
     ref = {(r["workload"], r["mode"], r["arm"]): r for r in rows}
@@ -214,11 +221,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             out.append(f"| {r['workload']} | {r['mode']} | {r['arm']} | error: {r['error']} | | | | | |")
             continue
-        e = ref.get((r["workload"], r["mode"], "eager"))
+        e = ref.get((r["workload"], r["mode"], eager_arm(r["arm"])))
         t = ref.get((r["workload"], r["mode"], "torch"))
         ratio = lambda o, r=r: f"{r['peak_reserved'] / o['peak_reserved']:.3f}" if o and "peak_reserved" in o else "-"
         build = r.get("build_peak_reserved")
-        same = "-" if r["arm"] == "eager" or not e else str(e.get("digest") == r["digest"])
+        same = "-" if r["arm"] == eager_arm(r["arm"]) or not e else str(e.get("digest") == r["digest"])
         mode = "set_to_none=True" if r["mode"] == "none" else "set_to_none=False"
         out.append(
             f"| {r['workload']} | {mode} | {r['arm']} | {r['peak_reserved'] / MiB:.0f} | {ratio(e)} | "

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import gograph
 from gograph import megatron_order
 
 Step = Callable[[Sequence[Callable[..., Any]], "Batch"], None]
@@ -38,24 +39,26 @@ class Batch:
     """One training step's data: the first layer's input(s) and, for the pipeline, the output
     grads of each chunk backward.
 
-    A pipeline batch made with ``recv=True`` has no inputs up front: chunk input k is
-    *received* right before its forward (drawn from ``gen`` then, in schedule order, the same in
-    every arm), into ``into[k]`` when given (a graph's static input: Megatron-LM's receive into
-    the graph's buffer, which makes the replay's copy-in a no-op) or a fresh tensor, and dropped
-    after its backward, when a pipeline has sent its grad."""
+    A batch made with ``recv=True`` has no inputs up front: input k (the pipeline's chunk input
+    k; the chain's and blocks' one input) is *received* right before its forward (drawn from
+    ``gen`` then, in schedule order, the same in every arm), into ``into[k]`` when given (a
+    graph's static input: Megatron-LM's receive into the graph's buffer, or a data loader's copy
+    into it, which makes the replay's copy-in a no-op) or a fresh tensor, and dropped after its
+    backward (a pipeline has then sent its grad)."""
 
     inputs: list[Tensor]
     grads: list[Tensor] = field(default_factory=list)
     gen: torch.Generator | None = None  # recv: where received data comes from
     into: dict[int, Tensor] = field(default_factory=dict)  # recv: chunk input k lands in into[k]
 
-    def receive(self, k: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Chunk input k: pre-made, or received now (see the class docstring)."""
+    def receive(self, k: int, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = True) -> Tensor:
+        """Input k: pre-made, or received now (see the class docstring), on ``gen``'s device."""
         if self.gen is None:
             return self.inputs[k]
+        device = self.gen.device
         target = self.into.get(k)
         if target is None:
-            return torch.randn(shape, generator=self.gen, device=device, dtype=dtype).requires_grad_()
+            return torch.randn(shape, generator=self.gen, device=device, dtype=dtype).requires_grad_(requires_grad)
         with torch.no_grad():
             target.copy_(torch.randn(shape, generator=self.gen, device=device, dtype=dtype))
         return target
@@ -185,21 +188,30 @@ class Workload:
             return torch.randn(self.input_shape, generator=gen, device=device, dtype=self.dtype).requires_grad_(rg)
 
         if self.order is None:
-            return Batch([rnd(False)])
+            return Batch([], gen=gen) if recv else Batch([rnd(False)])
         n = self.chunks * self.microbatches
         if recv:
             return Batch([], [rnd(False) for _ in range(n)], gen=gen)
         return Batch([rnd(True) for _ in range(n)], [rnd(False) for _ in range(n)])
 
+    def static_inputs(self, calls: Sequence[Any]) -> dict[int, Tensor]:
+        """Input k -> the static input of the graphed pass that reads it (first_passes), where a
+        ``recv`` batch can receive it (``calls``: what make_graphed_callables returned)."""
+        graphed = [c if isinstance(c, gograph.GraphedCallable) else c.forward for c in calls]
+        return {k: graphed[p].static_input_surface[0] for k, p in self.first_passes().items()}
+
     def first_passes(self) -> dict[int, int]:
-        """Pipeline: chunk input k -> the pass that reads it (its chunk's first layer)."""
+        """Input k -> the pass that reads it: the pipeline's chunk input k, its chunk's first
+        layer; the default schedule's one input, layer 0."""
+        if self.order is None:
+            return {0: 0}
         L, M = self.layers_per_chunk, self.microbatches
         return {c * M + m: c * L * M + m * L for c in range(self.chunks) for m in range(M)}
 
     def step(self, calls: Sequence[Callable[..., Any]], batch: Batch) -> None:
         """Forward through every pass and backward (grads accumulate in ``.grad``)."""
         if self.order is None:
-            x = batch.inputs[0]
+            x = batch.receive(0, self.input_shape, self.dtype, requires_grad=False)
             for call in calls:
                 x = call(x)
             loss_of(x).backward()
@@ -220,7 +232,7 @@ class Workload:
             if e > 0:
                 m = fwd[c]
                 fwd[c] += 1
-                x = received[c * M + m] = batch.receive(c * M + m, self.input_shape, self.dtype, batch.grads[0].device)
+                x = received[c * M + m] = batch.receive(c * M + m, self.input_shape, self.dtype)
                 for li in range(L):
                     x = calls[c * L * M + m * L + li](x)
                 outs[(c, m)] = x

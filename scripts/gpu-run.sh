@@ -31,8 +31,11 @@ for w in "${what[@]}"; do
     footprint) timeout 500 python3 bench/footprint.py --jobs 4 --arms eager,eager:copies=1,torch,gograph,gograph:chain_buffers=true,gograph:chain_buffers=true+shared_samples=true \
                  --json "$out/footprint.json" 2>&1 | tee "$out/footprint.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     recv) timeout 400 python3 bench/footprint.py --jobs 3 --workloads pipeline \
-                 --arms eager:recv=1,eager:recv=1+copies=1,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1 \
-                 --json "$out/footprint-recv.json" 2>&1 | tee "$out/footprint-recv.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+                 --arms eager:recv=1,eager:recv=1+copies=1,gograph:recv=1,gograph:_reuse_graph_input_output_buffers=true+recv=1,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1 \
+                 --json "$out/footprint-recv.json" 2>&1 | tee "$out/footprint-recv.log"; rc=$(( rc | PIPESTATUS[0] ))
+          timeout 400 python3 bench/footprint.py --jobs 4 --workloads chain,blocks \
+                 --arms eager,eager:recv=1,gograph:chain_buffers=true+shared_samples=true+recv_into_static=1,gograph:chain_buffers=true+shared_samples=true+loss_in_graph=1+recv_into_static=1 \
+                 --json "$out/footprint-recv-chain.json" 2>&1 | tee "$out/footprint-recv-chain.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;

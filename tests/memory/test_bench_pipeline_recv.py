@@ -1,8 +1,8 @@
-"""bench/workloads.py's pipeline with chunk inputs received at their forward (the footprint
-bench's ``recv`` / ``recv_into_static`` options), on the eager engine: receiving straight into
-the graphs' static inputs (Megatron-LM's receive into the graph's buffer, so a replay's copy-in
-is skipped) trains bitwise like eager receiving into fresh tensors, with and without
-TransformerEngine's slot reuse."""
+"""bench/workloads.py's inputs received at their forward (the footprint bench's ``recv`` /
+``recv_into_static`` options), on the eager engine: receiving straight into the graphs' static
+inputs (Megatron-LM's receive into the graph's buffer, a data loader's copy into it, so a
+replay's copy-in is skipped) trains bitwise like eager receiving into fresh tensors -- the
+pipeline with and without TransformerEngine's slot reuse, the chain with ``chain_buffers``."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ workloads: Any = pytest.importorskip("workloads")
 CPU = torch.device("cpu")
 
 
-def _train(arm: str) -> str:
-    """Two SGD steps of the small pipeline; ``arm``: eager, graphed, graphed+reuse (inputs
-    received into the static inputs)."""
-    wl = workloads.workload("pipeline", small=True)
+def _train(arm: str, name: str = "pipeline") -> str:
+    """Two SGD steps of the small workload ``name``; ``arm``: eager, graphed, graphed+reuse
+    (inputs received into the static inputs)."""
+    wl = workloads.workload(name, small=True)
     wl.dtype = torch.float32
     layers = wl.build(CPU)
     into: dict[int, torch.Tensor] = {}
@@ -33,10 +33,11 @@ def _train(arm: str) -> str:
         calls = list(
             gograph.make_graphed_callables(
                 tuple(layers), wl.sample_args(CPU), engine="eager", num_warmup_iters=1,
-                _reuse_graph_input_output_buffers=arm.endswith("reuse"), **wl.graph_kwargs(),
+                _reuse_graph_input_output_buffers=arm.endswith("reuse"), chain_buffers=name == "chain",
+                **wl.graph_kwargs(),
             )
         )  # fmt: skip
-        into = {k: calls[p].static_input_surface[0] for k, p in wl.first_passes().items()}
+        into = wl.static_inputs(calls)
         if arm.endswith("reuse"):  # microbatches not in flight together share an input slot
             assert len({id(t) for t in into.values()}) < len(into)
     opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.01)
@@ -57,3 +58,9 @@ def test_receiving_into_static_inputs_trains_like_eager() -> None:
     eager = _train("eager")
     assert _train("graphed") == eager
     assert _train("graphed+reuse") == eager
+
+
+def test_chain_receiving_into_its_static_input_trains_like_eager() -> None:
+    eager = _train("eager", "chain")
+    assert _train("eager", "chain") == eager  # the digest is deterministic here
+    assert _train("graphed", "chain") == eager
