@@ -285,11 +285,15 @@ func slotSource(prog *Program, b *buffer) {
 	}
 }
 
-// gradPolicies decides how each parameter grad reaches .grad. A chained
-// build of the default schedule lends the static buffer (no clone: the
-// buffer sits in pool memory the next forward's activations reuse, as
-// eager training's fresh .grad does, and is copied out only if .grad still
-// holds it when a graph that may overwrite it replays). In an _order every
+// gradPolicies decides how each parameter grad reaches .grad. A build of
+// the default schedule lends the static buffer to its first backward's
+// .grad (no clone: it is copied out only if .grad still holds it when a
+// graph that may overwrite it replays). Chained, the buffer sits in pool
+// memory the next forward's activations reuse, as eager training's fresh
+// .grad does; unchained it is owned and only its own backward overwrites
+// it, so lending saves the clone's time and its memory while .grad lives.
+// With TransformerEngine's slot reuse and no chain the buffers go back to
+// the pool after the backward instead (transient clones). In an _order every
 // microbatch's pass of a layer has its own buffer and the first one's
 // backward is captured after the schedule's warmup forwards, so a lent
 // buffer would be one more copy of the parameter grads beside an owned
@@ -312,7 +316,7 @@ func gradPolicies(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt 
 	for pass, f := range facts {
 		for i, g := range f.ParamGrads {
 			switch {
-			case opt.Chain && !p.Ordered && first[g.Param] == pass:
+			case !p.Ordered && first[g.Param] == pass && (opt.Chain || !opt.Reuse):
 				prog.GradPolicy[pass][i] = GradLend
 			case opt.Release && (opt.Reuse || opt.Chain) && f.Backward:
 				prog.GradPolicy[pass][i] = GradTransient

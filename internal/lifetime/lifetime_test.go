@@ -209,7 +209,10 @@ func TestGradPolicies(t *testing.T) {
 		opt  Options
 		want [][]GradPolicy
 	}{
-		{"default: owned clones", p, Options{Release: true}, [][]GradPolicy{{GradClone}, {GradClone}}},
+		{"default: lent (owned buffers only their own backward overwrites)", p, Options{Release: true}, [][]GradPolicy{{GradLend}, {GradLend}}},
+		{"default on the eager engine: lent", p, Options{}, [][]GradPolicy{{GradLend}, {GradLend}}},
+		{"default schedule with slot reuse: transient clones", p, Options{Reuse: true, Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
+		{"default schedule with slot reuse on the eager engine: owned clones", p, Options{Reuse: true}, [][]GradPolicy{{GradClone}, {GradClone}}},
 		{"chained: lent", p, Options{Chain: true, Release: true}, [][]GradPolicy{{GradLend}, {GradLend}}},
 		{"reuse: transient clones", pipe, Options{Reuse: true, Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
 		{"chained pipeline: transient clones (a lent buffer per microbatch pass would be a second copy)", pipe,

@@ -19,6 +19,7 @@ own (both documented on ``make_graphed_callables``):
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -94,11 +95,16 @@ class Shared:
 # Lent parameter grads
 # ---------------------------------------------------------------------------------------------
 class _Lent:
-    __slots__ = ("baseline", "data_ptr", "label", "param", "pass_id", "seq", "storage")
+    __slots__ = ("baseline", "data_ptr", "handed", "label", "param", "pass_id", "seq", "storage")
 
-    def __init__(self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, label: str) -> None:
+    def __init__(
+        self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, handed: Tensor, label: str
+    ) -> None:
         self.seq, self.pass_id, self.label = seq, pass_id, label
         self.param = weakref.ref(param)
+        # The tensor object the backward returned: AccumulateGrad makes it .grad, autograd.grad
+        # returns it to the caller; either way every holder of it can be redirected at copy-out.
+        self.handed = weakref.ref(handed)
         assert slot.storage is not None  # lent slots have one
         self.storage: torch.UntypedStorage = slot.storage
         self.baseline = slot.baseline
@@ -125,51 +131,68 @@ class LentGrads:
     replay (the caching allocator handed them the same blocks at capture time, as eager training
     hands a fresh ``.grad`` memory its activations freed). So before any replay of a graph whose
     capture sequence number is at most the lending backward's, each lent buffer still held by
-    anything but gograph is copied out: ``.grad`` gets an owned copy (so do other holders of that
-    tensor object); a holder gograph cannot redirect (a view of an old ``.grad``) raises
+    anything but gograph is copied out: the tensor the backward returned (``.grad``, or what
+    ``torch.autograd.grad`` gave the caller) gets an owned copy, seen by every holder of that
+    tensor object; a holder gograph cannot redirect (a view of an old ``.grad``) raises
     RuntimeError instead of letting the replay change it. In the usual loop (step, then
     ``zero_grad(set_to_none=True)``) nothing holds it and nothing is copied."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "lock")
 
     def __init__(self) -> None:
         self.entries: list[_Lent] = []
+        self.lock = threading.Lock()  # a reset on one thread may race a replay on another
 
-    def lend(self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, label: str) -> None:
-        self.entries.append(_Lent(seq, pass_id, param, slot, label))
+    def lend(
+        self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, handed: Tensor, label: str
+    ) -> None:
+        with self.lock:
+            self.entries.append(_Lent(seq, pass_id, param, slot, handed, label))
 
     def sweep(self, seq: int) -> None:
         """Before replaying a graph captured as ``seq``: copy out what it could overwrite."""
-        keep = []
-        for e in self.entries:
-            if e.seq < seq:
-                keep.append(e)  # captured after that graph: no block of it was free then
-            else:
-                _copy_out(e)
-        self.entries = keep
+        with self.lock:
+            keep = []
+            for e in self.entries:
+                if e.seq < seq:
+                    keep.append(e)  # captured after that graph: no block of it was free then
+                else:
+                    _copy_out(e)
+            self.entries = keep
 
     def drop_pass(self, pass_id: int) -> None:
-        """A pass is being reset: its lent buffers are copied out now (if held)."""
-        for e in self.entries:
-            if e.pass_id == pass_id:
-                _copy_out(e)
-        self.entries = [e for e in self.entries if e.pass_id != pass_id]
+        """A pass is being reset: its lent buffers are copied out now (if held). A holder that
+        cannot be redirected is logged, not raised: a reset must not fail (the holder keeps the
+        values of the last backward, which no replay of this pass writes again)."""
+        with self.lock:
+            mine = [e for e in self.entries if e.pass_id == pass_id]
+            self.entries = [e for e in self.entries if e.pass_id != pass_id]
+            for e in mine:
+                _copy_out(e, at_reset=True)
 
 
-def _copy_out(e: _Lent) -> None:
+def _copy_out(e: _Lent, at_reset: bool = False) -> None:
     if _torch.storage_use_count(e.storage) <= e.baseline:
         return  # nothing but gograph holds it
     param = e.param()
-    grad = param.grad if param is not None else None
-    if grad is not None and grad.data_ptr() == e.data_ptr:
-        with torch.no_grad():
-            grad.data = grad.clone()  # every holder of this tensor object sees the owned copy
+    for t in (param.grad if param is not None else None, e.handed()):
+        if t is not None and t.data_ptr() == e.data_ptr and t.untyped_storage().data_ptr() == e.storage.data_ptr():
+            with torch.no_grad():
+                t.data = t.clone()  # every holder of this tensor object sees the owned copy
     if _torch.storage_use_count(e.storage) > e.baseline:
+        if at_reset:
+            log.warning(
+                "gograph: reset while a tensor sharing the gradient buffer %s is still alive (a view of an "
+                "old .grad, or a backward of this callable running on another thread): it keeps the last "
+                "backward's values",
+                e.label,
+            )
+            return
         raise RuntimeError(
             f"gograph: a tensor that shares the gradient buffer {e.label} lent to .grad by an earlier backward is "
             "still alive (not that .grad itself, which was copied out), and this replay would overwrite it: "
-            "chain_buffers lends graphed backwards' static gradient buffers to .grad. Clone a gradient you "
-            "keep past the next forward (g = p.grad.clone()), or graph without chain_buffers"
+            "graphed backwards of the default schedule lend their static parameter-gradient buffers to .grad. "
+            "Clone a gradient you keep past the next forward (g = p.grad.clone()) instead of a view of it"
         )
 
 
@@ -202,8 +225,8 @@ class GraphedCallable:
       input grads views of ``static_grad_inputs``, overwritten by later backward replays; clone
       what must outlive them.
     * parameter grads never become a buffer a later replay overwrites while ``.grad`` holds it
-      (``clone_param_grads_on_return``, default): an owned clone when ``.grad`` is None, or, with
-      ``chain_buffers``, the lent static buffer copied out when needed (:class:`LentGrads`).
+      (``clone_param_grads_on_return``, default): on the default schedule the lent static buffer,
+      copied out when needed (:class:`LentGrads`), else an owned clone when ``.grad`` is None.
 
     ``reset()`` releases exactly this callable's graphs and pool references; a second call is
     harmless; calling it afterwards raises RuntimeError saying it was reset. A finalizer that
@@ -471,7 +494,7 @@ class GraphedCallable:
         return out
 
     def _replay_backward(
-        self, grads: tuple[Tensor | None, ...], opts: tuple[Any, Any] | None = None
+        self, grads: tuple[Tensor | None, ...], opts: tuple[Any, Any] | None = None, lend: bool = True
     ) -> tuple[Tensor | None, ...]:
         static_grad_outputs, static_grad_inputs, lent = (
             self.static_grad_outputs,
@@ -497,24 +520,27 @@ class GraphedCallable:
         if self._check_replay_order and WATCH.watches(self.pass_id, BACKWARD):
             WATCH.after_replay(self.pass_id, BACKWARD, out)  # debug: pool-planned hand-outs
         if self._param_grad_slots:
-            self._own_param_grads(out)
+            self._own_param_grads(out, lend)
         return tuple(out)
 
-    def _own_param_grads(self, out: list[Tensor | None]) -> None:
+    def _own_param_grads(self, out: list[Tensor | None], lend: bool) -> None:
         """A parameter grad must not silently *become* a static buffer (pytorch#181723): when
         ``.grad`` is None, AccumulateGrad steals the incoming tensor as ``.grad``. It gets an
-        owned clone, or (policy lend) the buffer itself with the lent-grad registry watching it.
-        When ``.grad`` exists AccumulateGrad only adds into it, so nothing is cloned."""
+        owned clone, or (policy lend, unless ``lend`` is False: a create_graph backward, whose
+        once-differentiable wrapper keeps aliases of it that nobody can redirect) the buffer
+        itself with the lent-grad registry watching it. When ``.grad`` exists AccumulateGrad
+        only adds into it, so nothing is cloned."""
         for slot in self._param_grad_slots:
             i, param = slot.index, slot.param
             if out[i] is None or param.grad is not None:
                 continue
-            if slot.policy == _plan.GRAD_LEND and self._lent is not None:
+            if lend and slot.policy == _plan.GRAD_LEND and self._lent is not None and not self._released:
                 self._lent.lend(
                     self._bwd_seq,
                     self.pass_id,
                     param,
                     slot,
+                    out[i],  # type: ignore[arg-type]
                     f"of graphed callable {self.index} ({self.label}), parameter {i - self.len_user_args}",
                 )
             else:
@@ -674,6 +700,7 @@ class _GraphedFunction(torch.autograd.Function):
             # backward(create_graph=True): the graph's backward is not differentiable; without
             # create_graph autograd runs this with grad mode off, and once_differentiable's
             # no_grad context and input scan would only cost time on every replay.
+            ctx.gograph_create_graph = True
             return _graphed_backward_once_differentiable(ctx, *grads)
         return _graphed_backward(ctx, *grads)
 
@@ -692,7 +719,8 @@ def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
     if graphed._check_replay_order:  # debug guard: refuse before the grad buffers are written
         _core.check_replay_order(graphed.pass_id, BACKWARD)
     ctx.gograph_backward_done = True
-    return (None, None, *graphed._replay_backward(grads, ctx.opts))
+    lend = not getattr(ctx, "gograph_create_graph", False)
+    return (None, None, *graphed._replay_backward(grads, ctx.opts, lend))
 
 
 _graphed_backward_once_differentiable = once_differentiable(_graphed_backward)

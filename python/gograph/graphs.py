@@ -123,9 +123,11 @@ def make_graphed_callables(
             overwrite it). What eager training's memory costs, without its copies. Needs
             ``num_warmup_iters >= 1``.
         clone_param_grads_on_return: never let a static grad buffer become a parameter's ``.grad``
-            that a later replay overwrites (default): an owned clone when ``.grad`` is None (with
-            ``chain_buffers``, the lent buffer), an in-place add otherwise. Parameters with
-            ``skip_backward_post_hook=True`` are never cloned. False: torch's aliasing (pytorch#181723).
+            that a later replay overwrites (default): when ``.grad`` is None, on the default
+            schedule the buffer is lent (``.grad`` is the buffer, copied out before a replay would
+            overwrite it while anything holds it; a kept view raises), else an owned clone; an
+            in-place add when ``.grad`` exists. Parameters with ``skip_backward_post_hook=True`` are
+            never cloned. False: torch's aliasing (pytorch#181723).
         capture_error_mode: ``"global"`` (default), ``"thread_local"`` or ``"relaxed"``, as for
             ``torch.cuda.graph``.
         debug_replay_order: check every replay against the capture order of the graphs sharing its

@@ -222,7 +222,36 @@ def test_skip_backward_post_hook_params_are_not_cloned():
     assert marked.grad.data_ptr() == static.data_ptr()  # handed over as is, by request
     others = list(model.parameters())[1:]
     static_ptrs = {s.data_ptr() for s in model.forward.static_grad_inputs if s is not None}
+    assert all(p.grad.data_ptr() in static_ptrs for p in others)  # lent: no clone was made
+    kept = [p.grad.clone() for p in others]
+    model(torch.randn(4, 8))  # a replay that overwrites the buffers: .grad is copied out first
     assert all(p.grad.data_ptr() not in static_ptrs for p in others)
+    assert all(torch.equal(p.grad, k) for p, k in zip(others, kept))
+
+
+def test_lent_grads_returned_by_autograd_grad_are_copied_out():
+    """torch.autograd.grad hands the caller the backward's tensor (no AccumulateGrad): a caller
+    that keeps it past the next replay keeps the values it got (copied out, like .grad)."""
+    model = make_mlp()
+    ref = twin(model)
+    gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    x1, x2 = batches(2, (4, 8), seed=5)
+    grads = torch.autograd.grad(model(x1).square().sum(), list(model.parameters()))
+    want = torch.autograd.grad(ref(x1).square().sum(), list(ref.parameters()))
+    model(x2).square().sum().backward()  # both replays overwrite the lent buffers
+    assert all(torch.equal(g, w) for g, w in zip(grads, want))
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_kept_view_of_a_lent_grad_raises_before_the_replay_changes_it():
+    model = make_mlp()
+    gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    model(torch.randn(4, 8)).sum().backward()
+    view = next(iter(model.parameters())).grad.view(-1)
+    before = view.clone()
+    with pytest.raises(RuntimeError, match="lent to .grad by an earlier backward is still alive"):
+        model(torch.randn(4, 8))
+    assert torch.equal(view, before)
 
 
 def test_param_grads_not_cloned_with_opt_out_alias_static_buffers():
