@@ -245,6 +245,29 @@ def test_cuda_two_threads_on_their_own_streams(cuda_device, no_tf32, fast_switch
 
 
 @pytest.mark.cuda
+def test_cuda_replay_on_another_stream_waits_for_the_previous_one(cuda_device, no_tf32):
+    """Graphs captured on one stream share its cuBLAS workspace (pytorch#193402): a replay on
+    another stream than the previous replay's waits for that stream instead of running beside it."""
+    models = [make_mlp(seed=s, d_in=64, d_hidden=256, d_out=64, device=cuda_device) for s in (1, 2)]
+    ref = twin(models[1])
+    for m in models:
+        mgc(m, (torch.randn(32, 64, device=cuda_device),))
+    x = torch.randn(32, 64, device=cuda_device)
+    a, b = torch.cuda.Stream(cuda_device), torch.cuda.Stream(cuda_device)
+    torch.cuda.synchronize(cuda_device)
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on stream a, then the first replay
+        models[0](x)
+    with torch.cuda.stream(b):
+        out = models[1](x)
+    assert not b.query(), "the replay on stream b ran beside stream a's replay"
+    torch.cuda.synchronize(cuda_device)
+    assert torch.equal(out, ref(x).detach())
+    for m in models:
+        m.reset()
+
+
+@pytest.mark.cuda
 def test_cuda_replay_racing_reset(cuda_device, fast_switching):
     base_graphs = gograph.live_graphs()
     for i in range(20):
