@@ -16,7 +16,8 @@ and the memory report's static bytes.
   python bench/footprint.py --arms eager,gograph,gograph:chain_buffers=true+shared_samples=true --jobs 4
   python bench/footprint.py --cell chain gograph none      # one cell, in this process (JSON line)
 
-Bench options in an arm (not gograph's): ``shared_samples``, ``loss_in_graph`` (see graph());
+Bench options in an arm (not gograph's): ``shared_samples`` (``=all``: layer 0's too, see
+bench/workloads.py), ``loss_in_graph`` (see graph());
 ``copies`` (eager: the copies any graph needs); for the pipeline ``recv`` (every chunk input is
 received at its forward and dropped after its backward, as on a pipeline rank, instead of made
 up front) and ``recv_into_static`` (gograph: received straight into the graph's static input,
@@ -55,8 +56,16 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
     kwargs: dict[str, Any] = {}
     for kv in filter(None, rest.split("+")):
         k, _, v = kv.partition("=")
-        kwargs[k] = json.loads(v) if v else True
+        kwargs[k] = _value(v) if v else True
     return maker, kwargs
+
+
+def _value(v: str) -> Any:
+    """An option's value: JSON (true, 2, "x"), else the bare word (shared_samples=all)."""
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
 
 
 def graph(
@@ -66,7 +75,8 @@ def graph(
     pseudo-option ``shared_samples`` (the bench's, not gograph's) shares the chained positions'
     sample tensor (bench/workloads.py)."""
     kwargs = dict(kwargs)
-    samples = wl.sample_args(device, share_chained=bool(kwargs.pop("shared_samples", False)))
+    share = kwargs.pop("shared_samples", False)
+    samples = wl.sample_args(device, share_chained=share if share == "all" else bool(share))
     if kwargs.pop("loss_in_graph", False):  # the bench's option: the last callable computes the loss
         layers = [*layers[:-1], WithLoss(layers[-1])]
     if maker == "torch":

@@ -160,19 +160,23 @@ class Workload:
         torch.manual_seed(seed)
         return [self.make_layer().to(device=device, dtype=self.dtype) for _ in range(self.n_layers)]
 
-    def sample_args(self, device: torch.device, share_chained: bool = False) -> tuple[tuple[Tensor, ...], ...]:
+    def sample_args(self, device: torch.device, share_chained: bool | str = False) -> tuple[tuple[Tensor, ...], ...]:
         """One tuple per pass. Without an order layer 0 sees data (no grad) and every later layer
         an activation (requires grad); in the pipeline every pass's input requires grad. With
         ``share_chained`` the passes that take the previous layer's output (every layer but a
         chunk's first) share one sample tensor: with ``chain_buffers`` their samples are only read
-        by warmup (the graphs read the previous layer's output), as gograph's docs recommend."""
+        by warmup (the graphs read the previous layer's output), as gograph's docs recommend.
+        ``share_chained="all"`` (no order) makes that shared sample a view of layer 0's (layer 0's
+        sample is its static input; the view costs no memory)."""
 
         def one(rg: bool) -> tuple[Tensor, ...]:
             return (torch.randn(self.input_shape, device=device, dtype=self.dtype).requires_grad_(rg),)
 
-        shared = one(True)
         if self.order is None:
-            return tuple(one(False) if i == 0 else shared if share_chained else one(True) for i in range(self.n_layers))
+            first = one(False)
+            shared = (first[0].detach().requires_grad_(True),) if share_chained == "all" else one(True)
+            return tuple(first if i == 0 else shared if share_chained else one(True) for i in range(self.n_layers))
+        shared = one(True)
         L = self.layers_per_chunk
         return tuple(shared if share_chained and p % L else one(True) for p in range(self.passes))
 

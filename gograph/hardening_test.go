@@ -190,6 +190,9 @@ func (panicDriver) IsCapturing(uintptr) (cudagraph.CaptureStatus, error) {
 }
 func (panicDriver) ExchangeMode(cudagraph.Mode) (cudagraph.Mode, error) { panic("driver boom") }
 func (panicDriver) NodeCount(cudagraph.RawGraph) (int, error)           { panic("driver boom") }
+func (panicDriver) EventCreate(uintptr) (cudagraph.RawEvent, error)     { panic("driver boom") }
+func (panicDriver) EventRecord(cudagraph.RawEvent, uintptr) error       { panic("driver boom") }
+func (panicDriver) StreamWaitEvent(uintptr, cudagraph.RawEvent) error   { panic("driver boom") }
 func (panicDriver) DriverVersion() (int, error)                         { panic("driver boom") }
 func (panicDriver) DeviceCount() (int, error)                           { panic("driver boom") }
 func (panicDriver) DeviceName(int) (string, error)                      { panic("driver boom") }

@@ -69,6 +69,9 @@ type RawGraph uintptr
 // RawExec is a CUgraphExec as an integer (see RawGraph).
 type RawExec uintptr
 
+// RawEvent is a CUevent as an integer (see RawGraph).
+type RawEvent uintptr
+
 // Driver is the set of CUDA driver calls the capture engine needs. An
 // implementation is a stateless binding: it converts arguments, makes the
 // call and turns a failing CUresult into an *Error. Streams are the integer
@@ -100,6 +103,15 @@ type Driver interface {
 	ExchangeMode(mode Mode) (Mode, error)
 	// NodeCount returns how many nodes g has (cuGraphGetNodes).
 	NodeCount(g RawGraph) (int, error)
+	// EventCreate creates an event without timing in stream's context
+	// (cuEventCreate with CU_EVENT_DISABLE_TIMING, that context pushed for
+	// the call), whatever context is current on the calling thread.
+	EventCreate(stream uintptr) (RawEvent, error)
+	// EventRecord records ev on stream (cuEventRecord).
+	EventRecord(ev RawEvent, stream uintptr) error
+	// StreamWaitEvent makes stream's later work wait for ev's latest record
+	// (cuStreamWaitEvent).
+	StreamWaitEvent(stream uintptr, ev RawEvent) error
 
 	// DriverVersion returns cuDriverGetVersion, e.g. 13000.
 	DriverVersion() (int, error)

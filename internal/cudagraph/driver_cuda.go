@@ -70,6 +70,26 @@ static CUresult gg_node_count(uintptr_t g, size_t *n) {
 	*n = 0;
 	return cuGraphGetNodes((CUgraph)g, NULL, n);
 }
+// gg_event_create creates a timing-free event in the context of stream s,
+// pushing that context for the call (the calling thread's current context may
+// be another device's, or none). *failed names the call that failed.
+static CUresult gg_event_create(uintptr_t s, uintptr_t *ev, const char **failed) {
+	CUcontext ctx = NULL, popped = NULL;
+	CUevent e = NULL;
+	*ev = 0;
+	CUresult r = cuStreamGetCtx((CUstream)s, &ctx);
+	if (r != CUDA_SUCCESS) { *failed = "cuStreamGetCtx"; return r; }
+	r = cuCtxPushCurrent(ctx);
+	if (r != CUDA_SUCCESS) { *failed = "cuCtxPushCurrent"; return r; }
+	r = cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
+	CUresult pr = cuCtxPopCurrent(&popped);
+	if (r != CUDA_SUCCESS) { *failed = "cuEventCreate"; return r; }
+	if (pr != CUDA_SUCCESS) { cuEventDestroy(e); *failed = "cuCtxPopCurrent"; return pr; }
+	*ev = (uintptr_t)e;
+	return CUDA_SUCCESS;
+}
+static CUresult gg_event_record(uintptr_t e, uintptr_t s) { return cuEventRecord((CUevent)e, (CUstream)s); }
+static CUresult gg_stream_wait_event(uintptr_t s, uintptr_t e) { return cuStreamWaitEvent((CUstream)s, (CUevent)e, 0); }
 static CUresult gg_driver_version(int *v) { return cuDriverGetVersion(v); }
 // The driver has no name for codes it does not know (or when it cannot be
 // asked at all); the Go side then substitutes its own text.
@@ -226,6 +246,23 @@ func (cudaDriver) NodeCount(g RawGraph) (int, error) {
 		return 0, err
 	}
 	return int(n), nil
+}
+
+func (cudaDriver) EventCreate(stream uintptr) (RawEvent, error) {
+	var e C.uintptr_t
+	var failed *C.char
+	if r := C.gg_event_create(C.uintptr_t(stream), &e, &failed); r != C.CUDA_SUCCESS {
+		return 0, newError(C.GoString(failed), int(r))
+	}
+	return RawEvent(e), nil
+}
+
+func (cudaDriver) EventRecord(ev RawEvent, stream uintptr) error {
+	return check("cuEventRecord", C.gg_event_record(C.uintptr_t(ev), C.uintptr_t(stream)))
+}
+
+func (cudaDriver) StreamWaitEvent(stream uintptr, ev RawEvent) error {
+	return check("cuStreamWaitEvent", C.gg_stream_wait_event(C.uintptr_t(stream), C.uintptr_t(ev)))
 }
 
 func (cudaDriver) DriverVersion() (int, error) {

@@ -26,6 +26,9 @@ func (noCUDA) DestroyGraph(RawGraph) error                { return ErrNoCUDA }
 func (noCUDA) IsCapturing(uintptr) (CaptureStatus, error) { return StatusNone, ErrNoCUDA }
 func (noCUDA) ExchangeMode(m Mode) (Mode, error)          { return m, ErrNoCUDA }
 func (noCUDA) NodeCount(RawGraph) (int, error)            { return 0, ErrNoCUDA }
+func (noCUDA) EventCreate(uintptr) (RawEvent, error)      { return 0, ErrNoCUDA }
+func (noCUDA) EventRecord(RawEvent, uintptr) error        { return ErrNoCUDA }
+func (noCUDA) StreamWaitEvent(uintptr, RawEvent) error    { return ErrNoCUDA }
 func (noCUDA) DriverVersion() (int, error)                { return 0, ErrNoCUDA }
 func (noCUDA) DeviceCount() (int, error)                  { return 0, ErrNoCUDA }
 func (noCUDA) DeviceName(int) (string, error)             { return "", ErrNoCUDA }

@@ -20,6 +20,8 @@ type fakeDriver struct {
 	launches int
 	uploads  int
 	misuse   []string
+	events   map[RawEvent]uintptr // live events -> the stream whose context created them
+	ops      []string             // launches, records and waits in call order ("launch e@s", "record e@s", "wait s<-e")
 
 	// Failure injection.
 	failBegin        error
@@ -29,6 +31,10 @@ type fakeDriver struct {
 	failIsCapturing  error
 	graphOnEndError  bool // an invalidated end also returns a (partial) graph
 	wrongThreadEnd   bool // EndCapture fails with 908 and capture goes on
+	failEventCreate  error
+	failEventRecord  error
+	failStreamWait   error
+	failLaunch       error
 }
 
 type fakeStream struct {
@@ -41,6 +47,7 @@ func newFake() *fakeDriver {
 		streams: make(map[uintptr]*fakeStream),
 		graphs:  make(map[RawGraph]int),
 		execs:   make(map[RawExec]RawGraph),
+		events:  make(map[RawEvent]uintptr),
 		next:    0x1000,
 	}
 }
@@ -174,8 +181,60 @@ func (f *fakeDriver) Launch(e RawExec, s uintptr) error {
 		f.misuse = append(f.misuse, fmt.Sprintf("launch dead exec %#x", e))
 		return fakeErr("cuGraphLaunch", 400)
 	}
+	if f.failLaunch != nil {
+		return f.failLaunch
+	}
 	f.launches++
+	f.ops = append(f.ops, fmt.Sprintf("launch %#x@%#x", e, s))
 	return nil
+}
+
+func (f *fakeDriver) EventCreate(s uintptr) (RawEvent, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.failEventCreate != nil {
+		return 0, f.failEventCreate
+	}
+	ev := RawEvent(f.newHandle())
+	f.events[ev] = s
+	return ev, nil
+}
+
+func (f *fakeDriver) EventRecord(ev RawEvent, s uintptr) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.events[ev]; !ok {
+		f.misuse = append(f.misuse, fmt.Sprintf("record dead event %#x", ev))
+		return fakeErr("cuEventRecord", 400)
+	}
+	if f.failEventRecord != nil {
+		return f.failEventRecord
+	}
+	f.ops = append(f.ops, fmt.Sprintf("record %#x@%#x", ev, s))
+	return nil
+}
+
+func (f *fakeDriver) StreamWaitEvent(s uintptr, ev RawEvent) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.events[ev]; !ok {
+		f.misuse = append(f.misuse, fmt.Sprintf("wait on dead event %#x", ev))
+		return fakeErr("cuStreamWaitEvent", 400)
+	}
+	if f.failStreamWait != nil {
+		return f.failStreamWait
+	}
+	f.ops = append(f.ops, fmt.Sprintf("wait %#x<-%#x", s, ev))
+	return nil
+}
+
+// opLog returns the launches, records and waits so far and forgets them.
+func (f *fakeDriver) opLog() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ops := f.ops
+	f.ops = nil
+	return ops
 }
 
 func (f *fakeDriver) Upload(e RawExec, s uintptr) error {

@@ -73,6 +73,19 @@ func (p *panicky) NodeCount(g RawGraph) (int, error) {
 	return p.fakeDriver.NodeCount(g)
 }
 
+func (p *panicky) EventCreate(s uintptr) (RawEvent, error) {
+	p.maybe("EventCreate")
+	return p.fakeDriver.EventCreate(s)
+}
+func (p *panicky) EventRecord(ev RawEvent, s uintptr) error {
+	p.maybe("EventRecord")
+	return p.fakeDriver.EventRecord(ev, s)
+}
+func (p *panicky) StreamWaitEvent(s uintptr, ev RawEvent) error {
+	p.maybe("StreamWaitEvent")
+	return p.fakeDriver.StreamWaitEvent(s, ev)
+}
+
 var panickyMethods = []string{"BeginCapture", "EndCapture", "Instantiate", "Launch", "Upload", "DestroyExec",
 	"DestroyGraph", "IsCapturing", "ExchangeMode", "NodeCount"}
 

@@ -87,6 +87,21 @@ func (r recoveringDriver) NodeCount(g RawGraph) (n int, err error) {
 	return r.d.NodeCount(g)
 }
 
+func (r recoveringDriver) EventCreate(s uintptr) (ev RawEvent, err error) {
+	defer catch("EventCreate", &err)
+	return r.d.EventCreate(s)
+}
+
+func (r recoveringDriver) EventRecord(ev RawEvent, s uintptr) (err error) {
+	defer catch("EventRecord", &err)
+	return r.d.EventRecord(ev, s)
+}
+
+func (r recoveringDriver) StreamWaitEvent(s uintptr, ev RawEvent) (err error) {
+	defer catch("StreamWaitEvent", &err)
+	return r.d.StreamWaitEvent(s, ev)
+}
+
 func (r recoveringDriver) DriverVersion() (v int, err error) {
 	defer catch("DriverVersion", &err)
 	return r.d.DriverVersion()

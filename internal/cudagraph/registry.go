@@ -28,6 +28,27 @@ type Registry struct {
 	graphMu sync.RWMutex
 	graphs  map[int64]graphPair
 	next    int64
+
+	orderMu sync.Mutex
+	orders  map[uintptr]*replayOrder // capture stream -> the order of its graphs' launches
+}
+
+// replayOrder orders the launches of the graphs captured on one stream. They
+// share that stream's cuBLAS workspace: torch keys it by (handle, stream) and
+// every captured GEMM node holds its raw address (pytorch#193402). Two of them
+// running at once on two streams -- two threads, each training its own model
+// on its own stream -- race on it and compute wrong results (measured on the
+// H200: 1 to 4 of 7 runs of tests/hardening/test_hardening_threads.py's
+// two-thread test). So a launch on another stream than the previous launch's
+// first waits for that stream: one event record and one wait at each switch;
+// launches that stay on one stream, the usual case, pay one comparison.
+type replayOrder struct {
+	capture uintptr // the capture stream (its context owns event)
+
+	mu    sync.Mutex // held from the check to the launch: the check, wait and launch are one step
+	last  uintptr    // the stream of the latest launch (valid once ran is set)
+	ran   bool       // some graph of this order was launched
+	event RawEvent   // recorded on last at a switch (0 until the first switch)
 }
 
 // captureState is where a stream's capture through the registry stands. The
@@ -46,6 +67,7 @@ const (
 type graphPair struct {
 	graph RawGraph
 	exec  RawExec
+	order *replayOrder // shared by every graph captured on the same stream
 }
 
 // NewRegistry returns an empty registry over drv. A panic in a drv call is
@@ -56,6 +78,7 @@ func NewRegistry(drv Driver) *Registry {
 		capturing: make(map[uintptr]captureState),
 		graphs:    make(map[int64]graphPair),
 		next:      1,
+		orders:    make(map[uintptr]*replayOrder),
 	}
 }
 
@@ -200,10 +223,11 @@ func (r *Registry) EndCapture(stream int64) (int64, error) {
 		return 0, opError(op, r.destroyRaw(g, err))
 	}
 
+	order := r.orderOf(s)
 	r.graphMu.Lock()
 	id := r.next
 	r.next++
-	r.graphs[id] = graphPair{graph: g, exec: e}
+	r.graphs[id] = graphPair{graph: g, exec: e, order: order}
 	r.graphMu.Unlock()
 	return id, nil
 }
@@ -311,11 +335,56 @@ func unknownGraph(op string, graph int64) error {
 	return fmt.Errorf("%s: unknown graph handle %d (never created or already destroyed)", op, graph)
 }
 
-// Launch enqueues a replay of graph on stream.
+// orderOf returns the launch order of the graphs captured on stream s.
+// Orders are never dropped: there is one per capture stream, and torch's
+// streams live as long as the process.
+func (r *Registry) orderOf(s uintptr) *replayOrder {
+	r.orderMu.Lock()
+	defer r.orderMu.Unlock()
+	o := r.orders[s]
+	if o == nil {
+		o = &replayOrder{capture: s}
+		r.orders[s] = o
+	}
+	return o
+}
+
+// Launch enqueues a replay of graph on stream, after the previous launch of
+// any graph captured on the same stream (see replayOrder). A failure to
+// order it launches nothing: racing on the workspace would be silently wrong.
 func (r *Registry) Launch(graph, stream int64) error {
 	return r.withGraph("launch_graph", graph, func(p graphPair) error {
-		return r.drv.Launch(p.exec, streamHandle(stream))
+		o, s := p.order, streamHandle(stream)
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		if o.ran && o.last != s {
+			if err := r.waitForLast(o, s); err != nil {
+				return fmt.Errorf("ordering the replay on stream %d after the previous replay on stream %d "+
+					"(graphs captured on one stream share its cuBLAS workspace): %w", stream, int64(o.last), err)
+			}
+		}
+		if err := r.drv.Launch(p.exec, s); err != nil {
+			return err
+		}
+		o.last, o.ran = s, true
+		return nil
 	})
+}
+
+// waitForLast makes stream s wait for the work enqueued so far on o.last.
+// o.mu is held.
+func (r *Registry) waitForLast(o *replayOrder, s uintptr) error {
+	if o.event == 0 {
+		ev, err := r.drv.EventCreate(o.capture)
+		if err != nil {
+			return err
+		}
+		o.event = ev
+	}
+	if err := r.drv.EventRecord(o.event, o.last); err != nil {
+		return err
+	}
+	return r.drv.StreamWaitEvent(s, o.event)
 }
 
 // Upload uploads graph to the device on stream ahead of its first launch.

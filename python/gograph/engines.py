@@ -296,7 +296,6 @@ class CudaEngine(Engine):
             )
         self.stream: torch.cuda.Stream = stream if stream is not None else torch.cuda.Stream(self.device)
         self.rng = RngCompanions(self.device, generators)
-        self._order = workspace_order(self.stream)
 
     def __repr__(self) -> str:
         return f"CudaEngine(device={self.device})"
@@ -392,16 +391,14 @@ class CudaEngine(Engine):
                 "Graph the callables together in one make_graphed_callables call, or run the original "
                 "(ungraphed) module inside the capture."
             )
-        stream, order = _torch.current_raw_stream(self.device_index), self._order
-        with order.lock:  # check, wait and launch as one step (another thread may replay too)
-            if stream != order.last:
-                order.switch(self.device)
-            companions = self.rng.companions
-            if companions:
-                companion = companions.get((pass_id, kind))
-                if companion is not None:
-                    companion.replay()
-            _core.raw_replay(pass_id, kind, stream)
+        companions = self.rng.companions
+        if companions:
+            companion = companions.get((pass_id, kind))
+            if companion is not None:
+                companion.replay()
+        # The core orders the launch after the previous replay of any graph captured on our
+        # stream when that ran on another stream (a shared cuBLAS workspace: internal/cudagraph).
+        _core.raw_replay(pass_id, kind, _torch.current_raw_stream(self.device_index))
 
     def _release_refs(self, pool: Hashable, refs: int) -> None:
         if refs <= 0:
@@ -682,46 +679,6 @@ def _copy_into_static(pass_id: int, kind: int, static: tuple[torch.Tensor | None
 # Shared default engines
 # ---------------------------------------------------------------------------------------------
 _default_lock = threading.Lock()
-
-
-class WorkspaceOrder:
-    """Orders the replays of the graphs captured on one stream.
-
-    Those graphs share that stream's cuBLAS workspace: torch keys it by (handle, stream), and
-    every captured GEMM node holds its raw address (pytorch#193402). Two of them running at once
-    on two streams -- two threads, each training its own model on its own stream -- race on it
-    and compute wrong results (measured on the H200: 1 to 4 of 7 runs of
-    tests/hardening/test_hardening_threads.py's two-thread test). So a replay on another
-    stream than the previous replay's first waits for that stream (``wait_stream``: one event
-    at each switch); replays on one stream, the usual case, pay one comparison."""
-
-    __slots__ = ("last", "last_stream", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.last = 0  # raw stream of the previous replay (0: none yet)
-        self.last_stream: torch.cuda.Stream | None = None
-
-    def switch(self, device: torch.device) -> None:
-        """The current stream replays next: it waits for the previous replay's stream."""
-        cur = torch.cuda.current_stream(device)
-        if self.last_stream is not None:
-            cur.wait_stream(self.last_stream)
-        self.last, self.last_stream = int(cur.cuda_stream), cur
-
-
-_orders: dict[tuple[int, int], WorkspaceOrder] = {}
-_orders_lock = threading.Lock()  # not _default_lock: default_cuda_engine holds it while constructing
-
-
-def workspace_order(capture_stream: torch.cuda.Stream) -> WorkspaceOrder:
-    """The replay order of the graphs captured on ``capture_stream`` (shared by every engine
-    capturing on it)."""
-    key = (int(capture_stream.device.index or 0), int(capture_stream.cuda_stream))
-    with _orders_lock:
-        return _orders.setdefault(key, WorkspaceOrder())
-
-
 _default_cuda: dict[int, CudaEngine] = {}
 _default_eager: list[EagerEngine] = []
 
