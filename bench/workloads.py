@@ -59,8 +59,8 @@ class Batch:
         target = self.into.get(k)
         if target is None:
             return torch.randn(shape, generator=self.gen, device=device, dtype=dtype).requires_grad_(requires_grad)
-        with torch.no_grad():
-            target.copy_(torch.randn(shape, generator=self.gen, device=device, dtype=dtype))
+        with torch.no_grad():  # in place, as a receive is: randn is empty().normal_(), same draws
+            target.normal_(generator=self.gen)
         return target
 
 

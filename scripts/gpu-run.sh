@@ -34,7 +34,7 @@ for w in "${what[@]}"; do
                  --arms eager:recv=1,eager:recv=1+copies=1,gograph:recv=1,gograph:_reuse_graph_input_output_buffers=true+recv=1,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1 \
                  --json "$out/footprint-recv.json" 2>&1 | tee "$out/footprint-recv.log"; rc=$(( rc | PIPESTATUS[0] ))
           timeout 400 python3 bench/footprint.py --jobs 4 --workloads chain,blocks \
-                 --arms eager,eager:recv=1,gograph:chain_buffers=true+shared_samples=true+recv_into_static=1,gograph:chain_buffers=true+shared_samples=true+loss_in_graph=1+recv_into_static=1 \
+                 --arms eager,eager:recv=1,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1,gograph:chain_buffers=true+shared_samples=all+loss_in_graph=1+recv_into_static=1 \
                  --json "$out/footprint-recv-chain.json" 2>&1 | tee "$out/footprint-recv-chain.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \

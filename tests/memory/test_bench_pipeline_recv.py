@@ -21,9 +21,9 @@ workloads: Any = pytest.importorskip("workloads")
 CPU = torch.device("cpu")
 
 
-def _train(arm: str, name: str = "pipeline") -> str:
+def _train(arm: str, name: str = "pipeline", share: bool | str = False) -> str:
     """Two SGD steps of the small workload ``name``; ``arm``: eager, graphed, graphed+reuse
-    (inputs received into the static inputs)."""
+    (inputs received into the static inputs); ``share``: the samples' ``share_chained``."""
     wl = workloads.workload(name, small=True)
     wl.dtype = torch.float32
     layers = wl.build(CPU)
@@ -32,7 +32,7 @@ def _train(arm: str, name: str = "pipeline") -> str:
     if arm != "eager":
         calls = list(
             gograph.make_graphed_callables(
-                tuple(layers), wl.sample_args(CPU), engine="eager", num_warmup_iters=1,
+                tuple(layers), wl.sample_args(CPU, share_chained=share), engine="eager", num_warmup_iters=1,
                 _reuse_graph_input_output_buffers=arm.endswith("reuse"), chain_buffers=name == "chain",
                 **wl.graph_kwargs(),
             )
@@ -64,3 +64,16 @@ def test_chain_receiving_into_its_static_input_trains_like_eager() -> None:
     eager = _train("eager", "chain")
     assert _train("eager", "chain") == eager  # the digest is deterministic here
     assert _train("graphed", "chain") == eager
+
+
+def test_chain_samples_as_views_of_the_first_train_like_eager() -> None:
+    """``shared_samples=all``: the chained layers' one sample is a view of layer 0's (its static
+    input), so the samples cost one tensor; they are read only by warmup."""
+    wl = workloads.workload("chain", small=True)
+    samples = wl.sample_args(CPU, share_chained="all")
+    first, rest = samples[0][0], {s[0] for s in samples[1:]}
+    assert len(rest) == 1 and not first.requires_grad
+    (shared,) = rest
+    assert shared.requires_grad and shared.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    eager = _train("eager", "chain")
+    assert _train("graphed", "chain", share="all") == eager
