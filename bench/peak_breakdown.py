@@ -14,6 +14,7 @@ allocation); bench/footprint.py's numbers are the measurement.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -98,8 +99,45 @@ def live_at(trace: list[dict[str, Any]], upto: int) -> tuple[dict[str, int], dic
     return groups, dict(seg_stream)
 
 
-def report(name: str, trace: list[dict[str, Any]], start: int, stop: int, base: int, top: int) -> dict[str, Any]:
+def segments_at(trace: list[dict[str, Any]], upto: int) -> list[dict[str, int]]:
+    """The segments reserved after trace[:upto+1]: address, size, stream, live bytes in it."""
+    segs: dict[int, dict[str, int]] = {}
+    live: dict[int, int] = {}
+    for e in trace[: upto + 1]:
+        a = e["action"]
+        if a in ("segment_alloc", "segment_map"):
+            segs[e["addr"]] = {"addr": e["addr"], "size": e["size"], "stream": e["stream"], "live": 0}
+        elif a in ("segment_free", "segment_unmap"):
+            segs.pop(e["addr"], None)
+        elif a == "alloc":
+            live[e["addr"]] = e["size"]
+        elif a == "free_completed":
+            live.pop(e["addr"], None)
+    starts = sorted(segs)
+    for addr, size in live.items():
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < starts[i] + segs[starts[i]]["size"]:
+            segs[starts[i]]["live"] += size
+    return list(segs.values())
+
+
+def print_segments(segs: list[dict[str, int]], most: int) -> None:
+    """Where the reserved-but-free bytes sit: the segments with the most free bytes."""
+    for seg in sorted(segs, key=lambda g: g["live"] - g["size"])[:most]:
+        print(
+            f"   segment {seg['size'] / MiB:8.1f} MiB [stream {seg['stream']:#x}] "
+            f"live {seg['live'] / MiB:8.1f}, free {(seg['size'] - seg['live']) / MiB:8.1f}"
+        )
+    free = sum(g["size"] - g["live"] for g in segs)
+    print(f"   {len(segs)} segments, {free / MiB:.0f} MiB free in them")
+
+
+def report(
+    name: str, trace: list[dict[str, Any]], start: int, stop: int, base: int, top: int, segments: int = 0
+) -> dict[str, Any]:
     at, peak = replay(trace, start, stop, base)
+    if segments:
+        print_segments(segments_at(trace, at), segments)
     groups, streams = live_at(trace, at)
     live = sum(groups.values())
     print(f"== {name}: peak reserved {peak / MiB:.0f} MiB over after-init (trace entry {at})")
@@ -120,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=sorted(footprint.MODES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--segments", type=int, default=0, metavar="N", help="list the N segments with the most free bytes")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -136,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload} {args.arm} {args.mode}: footprint peak {row['peak_reserved'] / MiB:.0f} MiB")
     out = []
     if "build" in marks:
-        out.append(report("build", trace, init, marks["build"], base, args.top))
-    out.append(report("steps", trace, marks.get("build", init), len(trace), base, args.top))
+        out.append(report("build", trace, init, marks["build"], base, args.top, args.segments))
+    out.append(report("steps", trace, marks.get("build", init), len(trace), base, args.top, args.segments))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cell": [args.workload, args.arm, args.mode], "row": row, "phases": out}, f)
