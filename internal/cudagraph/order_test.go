@@ -241,3 +241,63 @@ func TestLaunchOrderConcurrent(t *testing.T) {
 		t.Fatalf("%d launches, want %d", launches, 200*len(streams))
 	}
 }
+
+// FuzzLaunchOrder: any sequence of launches over two capture streams and
+// four replay streams, with event calls failing at random, keeps the rule:
+// a launch whose order's previous launch ran on another stream comes right
+// after a record on that stream and a wait on its own; a launch that
+// returned an error put nothing on the device; the driver sees no misuse.
+func FuzzLaunchOrder(f *testing.F) {
+	f.Add([]byte{0x00, 0x11, 0x02, 0x13})
+	f.Add([]byte{0x40, 0x81, 0xc2, 0x03, 0x10, 0x21})
+	f.Fuzz(func(t *testing.T, seq []byte) {
+		x := newOrderFixture(t)
+		streams := []int64{replay0, replayS1, replayS2, 0x5300}
+		x.names[fmt.Sprintf("%#x", streamHandle(0x5300))] = "s3"
+		captureOf := map[int]string{0: "evA", 1: "evA", 2: "evB"}
+		last := map[string]string{} // order (its event's name) -> stream of its latest launch
+		boom := fakeErr("cuStreamWaitEvent", 400)
+		for _, b := range seq {
+			g, s, fail := int(b&3)%3, streams[int(b>>2)&3], int(b>>4)&3
+			x.f.set(func(f *fakeDriver) {
+				f.failEventCreate, f.failEventRecord, f.failStreamWait = nil, nil, nil
+				switch fail {
+				case 1:
+					f.failEventRecord = boom
+				case 2:
+					f.failStreamWait = boom
+				}
+			})
+			err := x.r.Launch(x.g[g], s)
+			ops := x.log()
+			ev, on := captureOf[g], x.names[fmt.Sprintf("%#x", streamHandle(s))]
+			prev, ran := last[ev]
+			switching := ran && prev != on
+			switch {
+			case err != nil:
+				if !switching || fail == 0 {
+					t.Fatalf("launch g%d@%s failed without a failing wait: %v", g, on, err)
+				}
+				for _, op := range ops {
+					if strings.HasPrefix(op, "launch") {
+						t.Fatalf("launch g%d@%s returned %v but launched: %q", g, on, err, ops)
+					}
+				}
+			case switching:
+				want := []string{"record " + ev + "@" + prev, "wait " + on + "<-" + ev, fmt.Sprintf("launch g%d@%s", g, on)}
+				if strings.Join(ops, "; ") != strings.Join(want, "; ") {
+					t.Fatalf("switch to %s after %s: ops %q, want %q", on, prev, ops, want)
+				}
+				last[ev] = on
+			default:
+				if len(ops) != 1 || ops[0] != fmt.Sprintf("launch g%d@%s", g, on) {
+					t.Fatalf("launch g%d@%s on the order's stream: ops %q, want the launch alone", g, on, ops)
+				}
+				last[ev] = on
+			}
+		}
+		if _, _, misuse := x.f.counts(); len(misuse) != 0 {
+			t.Fatalf("driver misuse: %v", misuse)
+		}
+	})
+}
