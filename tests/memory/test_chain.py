@@ -239,3 +239,54 @@ def test_chain_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match="chain_buffers must be a bool"):
         gograph.make_graphed_callables(tuple(_layers(2)), samples, chain_buffers=1)  # type: ignore[arg-type]
     assert gograph.live_plans() == 0
+
+
+class WithLoss(torch.nn.Module):
+    """The last layer followed by the loss, graphed as one callable (README's recommendation):
+    ``forward(x, target)`` returns ``mse_loss(layer(x), target)``."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(x), target)
+
+
+def _train_with_loss(calls: Sequence[Callable[..., Any]], mods: Sequence[torch.nn.Module], set_to_none: bool) -> list:
+    """Three SGD steps of two accumulated micro-batches; the last call returns the loss."""
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.05)
+    gen = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(3):
+        for _ in range(2):
+            x, target = torch.randn(4, FEATURES, generator=gen), torch.randn(4, FEATURES, generator=gen)
+            for c in calls[:-1]:
+                x = c(x)
+            loss = calls[-1](x, target)
+            loss.backward()
+            losses.append(loss.item())  # kept past the backward, as a training loop logs it
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return losses
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_loss_in_the_last_graph_trains_like_eager(set_to_none: bool) -> None:
+    """The target is the last callable's second sample arg (not chained: the previous layer has
+    one output); the loss is what the last graph returns."""
+    mods = [*_layers(2, dropout=0.2), WithLoss(Layer(2, dropout=0.2))]
+    ref = copy.deepcopy(mods)
+    first = torch.randn(4, FEATURES)
+    shared = first.detach().requires_grad_()  # the chained samples: a view of the first
+    samples = ((first,), (shared,), (shared, torch.randn(4, FEATURES)))
+    graphed = gograph.make_graphed_callables(tuple(mods), samples, chain_buffers=True)
+    assert graphed[1].forward.chained_inputs == graphed[2].forward.chained_inputs == {0}
+    torch.manual_seed(7)
+    got = _train_with_loss(graphed, mods, set_to_none)
+    torch.manual_seed(7)
+    want = _train_with_loss(ref, ref, set_to_none)
+    assert got == want
+    assert all(params_equal(a, b) for a, b in zip(mods, ref))
+    for m in graphed:
+        m.reset()

@@ -179,3 +179,51 @@ def test_a_chain_holds_less_memory(layers) -> None:
     saved = 2 * 3 * ROWS * D * 4
     assert plain[0] - chained[0] == saved, (plain, chained)
     assert plain[1] - chained[1] >= saved * 0.9, (plain, chained)
+
+
+class WithLoss(torch.nn.Module):
+    """The last layer followed by the loss, graphed as one callable (README's recommendation)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(x).float(), target)
+
+
+def _train_with_loss(calls: Sequence[Callable[..., Any]], mods: Sequence[torch.nn.Module], set_to_none: bool) -> list:
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.05)
+    gen = torch.Generator().manual_seed(2)
+    dev = next(mods[0].parameters()).device
+    losses = []
+    for _ in range(3):
+        for _ in range(2):
+            x, target = torch.randn(ROWS, D, generator=gen).to(dev), torch.randn(ROWS, D, generator=gen).to(dev)
+            for c in calls[:-1]:
+                x = c(x)
+            loss = calls[-1](x, target)
+            loss.backward()
+            losses.append(loss.detach().clone())  # kept past the backward, as a loop logs it
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return losses
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_loss_in_the_last_graph_is_bitwise_eager(layers, set_to_none: bool) -> None:
+    mods = [*layers(2, dropout=0.2), WithLoss(layers(3, dropout=0.2)[2])]
+    ref = copy.deepcopy(mods)
+    dev = next(mods[0].parameters()).device
+    first = torch.randn(ROWS, D, device=dev)
+    shared = first.detach().requires_grad_()  # the chained samples: a view of the first
+    samples = ((first,), (shared,), (shared, torch.randn(ROWS, D, device=dev)))
+    graphed = gograph.make_graphed_callables(tuple(mods), samples, chain_buffers=True)
+    assert graphed[1].forward.chained_inputs == graphed[2].forward.chained_inputs == {0}
+    torch.manual_seed(7)
+    got = _train_with_loss(graphed, mods, set_to_none)
+    torch.manual_seed(7)
+    want = _train_with_loss(ref, ref, set_to_none)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(params_equal(a, b) for a, b in zip(mods, ref))
+    _reset(graphed)
