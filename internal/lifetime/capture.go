@@ -31,6 +31,7 @@ func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 	if opt.Chain {
 		chain(p, facts, prog)
 	}
+	separate(facts, prog, at)
 	bufs := planBuffers(p, facts, prog, at, opt)
 	if opt.Reuse {
 		prog.Slots = assignSlots(bufs, prog.Sigs)
@@ -66,6 +67,12 @@ func checkFacts(p *schedule.Plan, facts []Facts) error {
 		for _, in := range f.Inputs {
 			if in.Sig < 0 || (in.Slottable && !in.Unique) {
 				return fmt.Errorf("pass %d: input signature %d (slottable %v, unique %v) is invalid", i, in.Sig, in.Slottable, in.Unique)
+			}
+			if in.Unique && (in.Region != 0 || in.Param) {
+				return fmt.Errorf("pass %d: a unique input cannot share memory (region %d, parameter %v)", i, in.Region, in.Param)
+			}
+			if in.Region < 0 || (in.Param && in.Region == 0) {
+				return fmt.Errorf("pass %d: input region %d (parameter %v) is invalid: regions number from 1, and a leaf overlapping a parameter has one", i, in.Region, in.Param)
 			}
 		}
 		for _, o := range f.Outputs {
@@ -134,6 +141,53 @@ func chain(p *schedule.Plan, facts []Facts, prog *Program) {
 			}
 		}
 	}
+}
+
+// separate gives a buffer of their own to the input leaves whose samples
+// share memory with a leaf that is still read: one buffer read by two
+// graphs whose lifetimes overlap (from the forward's copy-in to the last
+// backward or weight-gradient read) would carry the second's copy-in into
+// the first's pending backward (torch's graphs share it silently). Leaves
+// whose lifetimes do not overlap keep sharing their sample, as Megatron-LM
+// shares samples between microbatches by the schedule. A sample overlapping
+// a parameter is never kept: a copy-in would write the weights. A chained
+// leaf reads its producer's output, not its sample, and claims nothing.
+func separate(facts []Facts, prog *Program, at steps) {
+	readers := map[int][][2]int{} // region -> lifetimes of the leaves reading their samples
+	for pass, f := range facts {
+		life := inputLifetime(f, at, pass)
+		for j, in := range f.Inputs {
+			if in.Region == 0 || prog.Inputs[pass][j].Kind != Own {
+				continue
+			}
+			if in.Param || overlapsAny(readers[in.Region], life) {
+				prog.Inputs[pass][j] = Source{Kind: Fresh}
+				continue
+			}
+			readers[in.Region] = append(readers[in.Region], life)
+		}
+	}
+}
+
+// inputLifetime is the steps from a pass's forward (the copy-in) to the
+// last step that reads its inputs: its backward or weight-gradient step.
+func inputLifetime(f Facts, at steps, pass int) [2]int {
+	var b buffer
+	if f.Backward {
+		b.span(at.fwd(pass), at.bwd(pass), at.wgrad(pass))
+	} else {
+		b.span(at.fwd(pass))
+	}
+	return [2]int{b.first, b.last}
+}
+
+func overlapsAny(lives [][2]int, l [2]int) bool {
+	for _, o := range lives {
+		if l[0] <= o[1] && o[0] <= l[1] {
+			return true
+		}
+	}
+	return false
 }
 
 // producers gives, per pass, the pass whose outputs it consumes when layers

@@ -132,6 +132,14 @@ type InputLeaf struct {
 	// Slottable: Unique, and a dense leaf that is its whole storage, so it
 	// can back a shared slot.
 	Slottable bool
+	// Region numbers (from 1) the memory the sample shares with other input
+	// leaves of the build (0: none, or not described). Graphs reading one region
+	// would read each other's copy-ins, so only the first of them keeps the
+	// sample; the others get a buffer of their own (Fresh).
+	Region int
+	// Param: the sample's memory overlaps a parameter, which a copy-in must
+	// never write, so the leaf always gets a buffer of its own.
+	Param bool
 }
 
 // ParamLeaf is a parameter grad the backward graph writes into the pool and

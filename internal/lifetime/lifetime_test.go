@@ -200,6 +200,75 @@ func TestChainSources(t *testing.T) {
 	}
 }
 
+// Samples sharing memory: a leaf keeps its sample unless another leaf
+// reading the same region is live at the same time (in pass order); chained
+// leaves read their producer and claim nothing; a region overlapping a
+// parameter is never kept.
+func TestSeparateSharedSamples(t *testing.T) {
+	shared := func(region int, param bool) InputLeaf {
+		return InputLeaf{Sig: 0, RequiresGrad: true, Region: region, Param: param}
+	}
+	unique := InputLeaf{Sig: 0, RequiresGrad: true, Unique: true}
+	own, fresh, chained := Source{Kind: Own}, Source{Kind: Fresh}, func(q int) Source { return Source{Kind: Chained, Pass: q} }
+	training := defaultPlan(t, 3, true)
+	two := defaultPlan(t, 2, true)
+	for _, tc := range []struct {
+		name   string
+		p      *schedule.Plan
+		inputs [][]InputLeaf // per pass; its positional leaves
+		opt    Options
+		want   [][]Source
+	}{
+		{"one sample for three layers", training, [][]InputLeaf{{shared(1, false)}, {shared(1, false)}, {shared(1, false)}},
+			Options{}, [][]Source{{own}, {fresh}, {fresh}}},
+		{"chained, the views need nothing", training, [][]InputLeaf{{shared(1, false)}, {shared(1, false)}, {shared(1, false)}},
+			Options{Chain: true, Release: true}, [][]Source{{own}, {chained(0)}, {chained(1)}}},
+		{"twice in one callable", two, [][]InputLeaf{{shared(1, false), shared(1, false)}, {unique}},
+			Options{}, [][]Source{{own, fresh}, {own}}},
+		{"two regions", defaultPlan(t, 4, true), [][]InputLeaf{{shared(1, false)}, {shared(2, false)}, {shared(1, false)}, {shared(2, false)}},
+			Options{}, [][]Source{{own}, {own}, {fresh}, {fresh}}},
+		{"a parameter's memory", two, [][]InputLeaf{{shared(1, true)}, {shared(1, true)}},
+			Options{Chain: true}, [][]Source{{fresh}, {chained(0)}}},
+		{"unique leaves untouched", two, [][]InputLeaf{{{Sig: 0, RequiresGrad: true, Unique: true, Slottable: true}}, {unique}},
+			Options{}, [][]Source{{own}, {own}}},
+		{"inference: no backward keeps a sample live", defaultPlan(t, 2, false), [][]InputLeaf{{shared(1, false)}, {shared(1, false)}},
+			Options{}, [][]Source{{own}, {own}}},
+		{"microbatches one after another share (Megatron's reuse)", plan(t, []float64{1, -1, 1, -1, 1, -1}, "1", 1, 3),
+			[][]InputLeaf{{shared(1, false)}, {shared(1, false)}, {shared(1, false)}},
+			Options{Reuse: true}, [][]Source{{own}, {own}, {own}}},
+		{"microbatches in flight together do not", plan(t, []float64{1, 1, -1, 1, -1, -1}, "1", 1, 3),
+			[][]InputLeaf{{shared(1, false)}, {shared(1, false)}, {shared(1, false)}},
+			Options{Reuse: true}, [][]Source{{own}, {fresh}, {own}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			facts := layer(tc.p)
+			for i, in := range tc.inputs {
+				facts[i].Inputs, facts[i].NPos = in, len(in)
+				facts[i].ParamGrads[0].Index = len(in)
+				facts[i].Backward = stepsOf(tc.p).bwd(i) >= 0
+			}
+			prog := mustCapture(t, tc.p, facts, tc.opt)
+			for i, w := range tc.want {
+				for j, src := range w {
+					if got := prog.Inputs[i][j]; got != src {
+						t.Errorf("input %d of pass %d = %+v, want %+v", j, i, got, src)
+					}
+				}
+			}
+			if err := regionInvariants(tc.p, facts, prog); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	facts, err := ParseFacts("pass 0 1 0 1 -1 -1\nin 0 0 1 0 0 1 0\nout 0 0 1\npass 1 1 0 1 -1 -1\nin 1 0 1 0 0 1 0\nout 1 0 1\n", two.Passes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustCapture(t, two, facts, Options{}).Encode(); !strings.Contains(got, "in 1 0 n\n") || strings.Contains(got, "in 0 0") {
+		t.Errorf("Encode of a separated leaf:\n%s", got)
+	}
+}
+
 func TestGradPolicies(t *testing.T) {
 	p := defaultPlan(t, 2, true)
 	pipe := plan(t, []float64{1, 1, -1, -1}, "1", 1, 2) // one layer, two microbatches: two passes share its parameter
@@ -319,6 +388,10 @@ func TestRejectsBadFacts(t *testing.T) {
 		"pass 0 0 0 2 -1 -1\nin 0 0 0 1 1",             // more positional inputs than inputs
 		"pass 0 0 1 0 -1 -1",                           // a weight gradient without backward
 		"in 0 0 0 0 1",                                 // slottable but not unique
+		"in 0 0 0 1 0 2 0",                             // unique but sharing a region
+		"in 0 0 0 0 0 0 1",                             // overlapping a parameter without a region
+		"in 0 0 0 0 0 -1 0",                            // a negative region
+		"in 0 0 0 0 0 1",                               // seven fields
 		"pass 0 1 0 0 -1 -1\nin 0 0 1 1 1\npg 0 0 0 0", // a parameter grad inside the user inputs
 	} {
 		facts, err := ParseFacts(s, p.Passes)
@@ -410,6 +483,9 @@ func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Optio
 			}
 		}
 	}
+	if err := regionInvariants(p, facts, prog); err != nil {
+		return err
+	}
 	for i, o := range prog.Ops {
 		if o.Kind != Release {
 			continue
@@ -422,6 +498,38 @@ func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Optio
 		}
 	}
 	return slotInvariants(p, facts, prog)
+}
+
+// regionInvariants: no two leaves that read their samples share memory
+// while both are live, no leaf reading its sample overlaps a parameter, and
+// only shared leaves get a buffer of their own.
+func regionInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
+	at := stepsOf(p)
+	type reader struct {
+		pass, leaf int
+		life       [2]int
+	}
+	readers := map[int][]reader{}
+	for pass, f := range facts {
+		life := inputLifetime(f, at, pass)
+		for j, in := range f.Inputs {
+			switch src := prog.Inputs[pass][j]; {
+			case src.Kind == Fresh && in.Region == 0:
+				return fmt.Errorf("pass %d input %d shares no memory but got a buffer of its own", pass, j)
+			case src.Kind != Own || in.Region == 0:
+			case in.Param:
+				return fmt.Errorf("pass %d input %d reads a sample overlapping a parameter", pass, j)
+			default:
+				for _, r := range readers[in.Region] {
+					if life[0] <= r.life[1] && r.life[0] <= life[1] {
+						return fmt.Errorf("passes %d and %d (inputs %d, %d) both read region %d while live (%v, %v)", r.pass, pass, r.leaf, j, in.Region, r.life, life)
+					}
+				}
+				readers[in.Region] = append(readers[in.Region], reader{pass, j, life})
+			}
+		}
+	}
+	return nil
 }
 
 func slotInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
@@ -528,7 +636,11 @@ func randomFacts(rng *rand.Rand, p *schedule.Plan, wgrad bool) []Facts {
 	for c := range layouts {
 		f := &layouts[c]
 		for k := 0; k < 1+rng.Intn(3); k++ {
-			f.Inputs = append(f.Inputs, InputLeaf{Sig: rng.Intn(nsig), RequiresGrad: rng.Intn(3) > 0, Unique: true, Slottable: rng.Intn(4) > 0})
+			in := InputLeaf{Sig: rng.Intn(nsig), RequiresGrad: rng.Intn(3) > 0, Unique: true, Slottable: rng.Intn(4) > 0}
+			if rng.Intn(4) == 0 { // a sample sharing memory with other leaves (every pass of the callable shares it)
+				in = InputLeaf{Sig: in.Sig, RequiresGrad: in.RequiresGrad, Region: 1 + rng.Intn(2), Param: rng.Intn(5) == 0}
+			}
+			f.Inputs = append(f.Inputs, in)
 		}
 		f.NPos = 1 + rng.Intn(len(f.Inputs))
 		for k := 0; k < 1+rng.Intn(2); k++ {
@@ -604,6 +716,7 @@ func TestPropertyRandomSchedules(t *testing.T) {
 func FuzzPlanCapture(f *testing.F) {
 	f.Add("pass 0 1 0 1 0 0\nin 0 0 1 1 1\nout 0 0 1\npg 0 1 0 2\npass 1 1 0 1 0 0\nin 1 0 1 1 1\nout 1 0 1\n", byte(7))
 	f.Add("pass 1 1 0 0 -1 -1\nout 1 0 1\nin 3 0 1 0 0\n", byte(2))
+	f.Add("pass 0 1 0 1 0 0\nin 0 0 1 0 0 1 0\nout 0 0 1\npass 1 1 0 1 0 0\nin 1 0 1 0 0 1 1\nin 1 0 1 0 0 1 0\nout 1 0 1\n", byte(3))
 	f.Fuzz(func(t *testing.T, s string, flags byte) {
 		p := plan(t, []float64{1, 2, -2, -1, 1, 2, -2, -1}, "", 2, 4)
 		facts, err := ParseFacts(s, p.Passes)

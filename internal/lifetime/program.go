@@ -49,6 +49,7 @@ const (
 	Slot    SourceKind = 's' // a slot shared by liveness (Options.Reuse)
 	Chained SourceKind = 'c' // another pass's buffer: the producer's output (inputs) or the consumer's input grad (grad outputs)
 	None    SourceKind = '-' // no buffer (a grad output of an output that does not require grad)
+	Fresh   SourceKind = 'n' // a new buffer, a copy of the sample, whose memory another input leaf or a parameter uses
 )
 
 // Source is where one static buffer comes from. For Chained, Pass and
@@ -77,7 +78,7 @@ type Program struct {
 //
 //	op K pass                one capture or drop op (K one of F B W X)
 //	op R role pass index     a release
-//	in pass leaf o|s SLOT|c PASS OUTPUT
+//	in pass leaf o|n|s SLOT|c PASS OUTPUT
 //	gout pass output o|-|s SLOT|c PASS LEAF
 //	grad pass entry c|l|t    the policy of pass's ParamGrads[entry]
 //	sig S buffers slots tefifo
@@ -117,6 +118,8 @@ func writeSources(b *strings.Builder, tag string, srcs [][]Source) {
 				fmt.Fprintf(b, "%s %d %d c %d %d\n", tag, pass, i, s.Pass, s.Index)
 			case None:
 				fmt.Fprintf(b, "%s %d %d -\n", tag, pass, i)
+			case Fresh:
+				fmt.Fprintf(b, "%s %d %d n\n", tag, pass, i)
 			}
 			// Own is the default: not written.
 		}

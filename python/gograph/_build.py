@@ -25,7 +25,7 @@ import torch
 
 from . import _args, _core, _observe, _plan, _recarve, _reuse
 from ._args import PassSpec, Request
-from ._captures import apply_slots, run_captures
+from ._captures import apply_separated, apply_slots, run_captures
 from ._state import PassState
 from ._warmup import WarmupObserver, run_warmup
 from .engines import CudaEngine, Engine, resolve_engine
@@ -150,6 +150,7 @@ class Build:
             self.reuse = _reuse.BufferReuse.of(program, sigs)
             if not release:
                 self.reuse.released = 0
+        apply_separated(self.states, program)
         return program, apply_slots(self.states, program)
 
     def _seal(self, debug: bool) -> None:

@@ -3,8 +3,9 @@
 Every op is the core's decision: capture a pass's forward, backward or weight gradient (in the
 order they will replay, so the pool's memory is reused at replay exactly as at capture), drop a
 forward's capture-time outputs once its backward is captured, hand a dead pool buffer back to the
-pool. Static buffers come from where the program says: the pass's own, a shared slot, or the
-chained neighbour's buffer (resolved here, when it exists).
+pool. Static buffers come from where the program says: the pass's own, a clone of its sample (a
+sample sharing memory), a shared slot, or the chained neighbour's buffer (resolved here, when it
+exists).
 """
 
 from __future__ import annotations
@@ -22,7 +23,21 @@ from ._state import PassState
 from ._warmup import check_outputs
 from .engines import BACKWARD, FORWARD, WGRAD
 
-__all__ = ["apply_slots", "run_captures"]
+__all__ = ["apply_separated", "apply_slots", "run_captures"]
+
+
+def apply_separated(states: Sequence[PassState], program: _plan.CaptureProgram) -> None:
+    """Input leaves the core separated (their sample shares memory with another input leaf or a
+    parameter, :mod:`gograph._regions`) get a clone of their own, with the sample's requires_grad,
+    as their static input: a copy-in for one graph then never changes what another reads, nor
+    the parameter."""
+    per_pass: dict[int, dict[int, Tensor]] = {}
+    for (p, j), src in program.inputs.items():
+        if src.kind == _plan.FRESH:
+            t = states[p].flat_args[j]
+            per_pass.setdefault(p, {})[j] = t.detach().clone().requires_grad_(t.requires_grad)
+    for p, repl in per_pass.items():
+        states[p].replace_args(repl)
 
 
 def apply_slots(states: Sequence[PassState], program: _plan.CaptureProgram) -> dict[int, Tensor]:

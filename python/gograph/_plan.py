@@ -46,8 +46,9 @@ WARM_FORWARD, WARM_BACKWARD, WARM_WGRAD, DROP_WARM = "f", "b", "w", "x"
 #: Capture ops: capture a forward / backward / weight gradient; drop the capture-time outputs;
 #: hand a pool buffer back to the pool.
 CAPTURE_FORWARD, CAPTURE_BACKWARD, CAPTURE_WGRAD, DROP_CAPTURE, RELEASE = "F", "B", "W", "X", "R"
-#: Where a static buffer comes from: the pass's own, a shared slot, another pass's buffer, none.
-OWN, SLOT, CHAINED, NO_BUFFER = "o", "s", "c", "-"
+#: Where a static buffer comes from: the pass's own, a shared slot, another pass's buffer, none,
+#: a new clone of the sample (its memory is another input leaf's or a parameter's too).
+OWN, SLOT, CHAINED, NO_BUFFER, FRESH = "o", "s", "c", "-", "n"
 #: How a parameter grad reaches ``.grad``: owned clone, lent static buffer, clone + pool release.
 GRAD_CLONE, GRAD_LEND, GRAD_TRANSIENT = "c", "l", "t"
 

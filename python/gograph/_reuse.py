@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _plan, _torch
+from ._regions import sample_regions
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._state import PassState
@@ -99,6 +100,7 @@ def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads:
         for t in st.flat_args:
             occurrences[id(t)] = occurrences.get(id(t), 0) + 1
         params.update(id(p) for p in st.params)
+    regions = sample_regions(states)
     param_ids: dict[int, int] = {}
     te_in: dict[tuple[Any, ...], int] = {}
     te_grad: dict[tuple[Any, ...], int] = {}
@@ -108,11 +110,12 @@ def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads:
         in_key = te_in.setdefault(tuple(te_signature(t) for t in st.flat_args), len(te_in))
         grad_key = te_grad.setdefault(tuple((m[0][0], m[0][2]) for m in st.output_meta if m[1]), len(te_grad))
         lines.append(f"pass {p} {int(st.captures_backward)} {int(st.may_need_dw)} {spec.n_pos} {in_key} {grad_key}")
-        for t in st.flat_args:
-            unique = occurrences[id(t)] == 1 and id(t) not in params
+        for j, t in enumerate(st.flat_args):
+            region, in_param = regions.get((p, j), (0, False))
+            unique = occurrences[id(t)] == 1 and id(t) not in params and region == 0
             lines.append(
                 f"in {p} {sigs.id(tensor_signature(t))} {int(t.requires_grad)} {int(unique)} "
-                f"{int(unique and slot_eligible(t))}"
+                f"{int(unique and slot_eligible(t))} {region} {int(in_param)}"
             )
         for sig, rg in st.output_meta:
             lines.append(f"out {p} {sigs.id(sig)} {int(rg)}")

@@ -2,7 +2,8 @@
 measured (for :func:`gograph.plan_memory`), counted as :func:`gograph.memory_report` counts them:
 storage bytes, once per storage within a pass and category, and once across passes in the
 totals. A chained input is the producer's output, a chained grad output the consumer's input
-grad, a slot one buffer for every pass that uses it.
+grad, a slot one buffer for every pass that uses it, a separated input (a sample sharing memory
+with another input leaf or a parameter) a new clone.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def _inputs(pb: PassBytes, st: Any, prog: _plan.CaptureProgram, sizes: Any, key:
                 pb.by_category["input"][key("out", src.pass_index, src.index, nbytes)] = nbytes
                 pb.chained.append(f"input[{j}]")
                 continue
+        if src is not None and src.kind == _plan.FRESH:  # a clone of the sample: new bytes, its elements only
+            nbytes = t.numel() * t.element_size()
+            pb.by_category["input"][("fresh", st.index, j)] = pb.new[("fresh", st.index, j)] = nbytes
+            continue
         own: _Key = ("slot", src.slot) if src is not None and src.kind == _plan.SLOT else ("sample", id(t))
         pb.by_category["input"][own] = int(t.untyped_storage().nbytes())
 

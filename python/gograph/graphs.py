@@ -102,7 +102,12 @@ def make_graphed_callables(
         sample_args: a tuple of args for the single callable, or a tuple of such tuples. Args may
             be any pytree (tuples, lists, dicts) whose leaves are all Tensors; a call must pass args
             of the same structure, shapes and devices (a dtype the copy-in casts is accepted). The
-            ``requires_grad`` state of each leaf must match the real inputs'.
+            ``requires_grad`` state of each leaf must match the real inputs'. Each sample is its
+            graph's static input, as in torch, except where samples share memory (one tensor for
+            several callables or twice in one, overlapping views, a parameter): a leaf whose
+            memory another live pass reads (by the schedule) gets a clone, so no copy-in changes
+            what another graph's pending backward reads (torch's graphs would share one buffer,
+            silently wrong), nor a parameter.
         num_warmup_iters: forward+backward warmup iterations before capture (default 3). With 0,
             generator use is unknown and CUDA captures always carry RNG state.
         allow_unused_input: if False, a sample arg (or parameter) that requires grad but is not

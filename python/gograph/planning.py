@@ -80,7 +80,8 @@ class PlanTotals:
     pool_planned_bytes: int
     new_buffer_bytes: int
     """What the build allocates outside the pool: grad-output buffers that are not another
-    pass's buffer (sample args are the caller's)."""
+    pass's buffer, and clones of samples that share memory with another input leaf or a
+    parameter (other sample args are the caller's)."""
     pool_reserved_bytes: int | None
     """The graph pool's segments after every capture (``memory_report``'s pool reserved)."""
     pool_peak_allocated_bytes: int | None
