@@ -342,6 +342,7 @@ func (g panicGraphs) EndCapture(int64) (int64, error) {
 }
 func (panicGraphs) AbortCapture(int64) error  { return nil }
 func (panicGraphs) Launch(int64, int64) error { panic("graphs boom") }
+func (panicGraphs) Order(int64, int64) error  { panic("graphs boom") }
 func (panicGraphs) Destroy(int64) error       { panic("graphs boom") }
 
 // TestGraphPanicsDuringResetReturnPoolRefs: a panic while a reset destroys
@@ -366,6 +367,9 @@ func TestGraphPanicsDuringResetReturnPoolRefs(t *testing.T) {
 	}
 	if _, err := Replay(p, 0, 1); err == nil || !strings.Contains(err.Error(), "internal panic") {
 		t.Fatalf("Replay: %v", err)
+	}
+	if ordered, err := OrderReplay(p, 0, 1); ordered || err == nil || !strings.Contains(err.Error(), "internal panic") {
+		t.Fatalf("OrderReplay: %v, %v", ordered, err)
 	}
 	refs, err := ResetPass(p)
 	if refs != 2 || err != nil {

@@ -56,6 +56,17 @@ func Replay(pass int64, kind int, stream int64) (launched bool, err error) {
 	return passes.Replay(pass, state.Kind(kind), stream)
 }
 
+// OrderReplay orders stream for pass's next replay of kind without
+// launching (see the cudagraph registry's Order): an RNG companion's writes
+// enqueued next on stream then run after the previous replay of the graphs
+// sharing its capture stream. It returns whether there was a graph to order
+// (false for the eager engine, or a pass that cannot replay kind: the
+// replay reports why).
+func OrderReplay(pass int64, kind int, stream int64) (ordered bool, err error) {
+	defer recoverPanic("order_replay", &err)
+	return passes.Order(pass, state.Kind(kind), stream)
+}
+
 // PassState returns "building", "ready" or "reset".
 func PassState(pass int64) (s string, err error) {
 	defer recoverPanic("pass_state", &err)

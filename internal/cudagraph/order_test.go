@@ -106,6 +106,61 @@ func TestLaunchOrder(t *testing.T) {
 	}
 }
 
+// TestOrderWithoutLaunch: Order waits as a launch on its stream would and
+// moves the order there, so the launch that follows on that stream needs no
+// second wait (an RNG companion's writes go between the two); before any
+// launch, and on the previous launch's stream, it does nothing.
+func TestOrderWithoutLaunch(t *testing.T) {
+	cases := []struct {
+		name string
+		ops  func(x *orderFixture) error
+		want []string
+	}{
+		{"before any launch", func(x *orderFixture) error { return x.r.Order(x.g[0], replayS1) }, nil},
+		{"on the previous stream", func(x *orderFixture) error {
+			return errors.Join(x.r.Launch(x.g[0], replayS1), x.r.Order(x.g[1], replayS1))
+		}, []string{"launch g0@s1"}},
+		{"on another stream, then the launch", func(x *orderFixture) error {
+			return errors.Join(x.r.Launch(x.g[0], replayS1), x.r.Order(x.g[1], replayS2), x.r.Launch(x.g[1], replayS2))
+		}, []string{"launch g0@s1", "record evA@s1", "wait s2<-evA", "launch g1@s2"}},
+		{"a later switch waits for the ordered stream", func(x *orderFixture) error {
+			return errors.Join(x.r.Launch(x.g[0], replayS1), x.r.Order(x.g[1], replayS2), x.r.Launch(x.g[0], replay0))
+		}, []string{"launch g0@s1", "record evA@s1", "wait s2<-evA", "record evA@s2", "wait s0<-evA", "launch g0@s0"}},
+		{"another capture stream's order is its own", func(x *orderFixture) error {
+			return errors.Join(x.r.Launch(x.g[0], replayS1), x.r.Order(x.g[2], replayS2), x.r.Launch(x.g[1], replayS1))
+		}, []string{"launch g0@s1", "launch g1@s1"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			x := newOrderFixture(t)
+			if err := tc.ops(x); err != nil {
+				t.Fatal(err)
+			}
+			if got := x.log(); strings.Join(got, "; ") != strings.Join(tc.want, "; ") {
+				t.Fatalf("ops\n got %q\nwant %q", got, tc.want)
+			}
+		})
+	}
+	x := newOrderFixture(t)
+	if err := x.r.Launch(x.g[0], replayS1); err != nil {
+		t.Fatal(err)
+	}
+	x.log()
+	boom := fakeErr("cuStreamWaitEvent", 400)
+	x.f.set(func(f *fakeDriver) { f.failStreamWait = boom })
+	err := x.r.Order(x.g[1], replayS2)
+	wantErr(t, err, "order_replay: ordering the replay on stream 20992 after the previous replay on stream 20736")
+	x.f.set(func(f *fakeDriver) { f.failStreamWait = nil })
+	x.log()
+	if err := x.r.Launch(x.g[1], replayS2); err != nil { // the failed Order left the order on s1
+		t.Fatal(err)
+	}
+	if got := x.log(); strings.Join(got, "; ") != "record evA@s1; wait s2<-evA; launch g1@s2" {
+		t.Fatalf("ops after a failed Order: %q", got)
+	}
+	wantErr(t, x.r.Order(12345, replayS1), "order_replay: unknown graph handle 12345")
+}
+
 // TestLaunchOrderFailures: when the wait cannot be set up, nothing is
 // launched (racing on the workspace would be silently wrong), the error says
 // why, and the order still names the previous stream, so a retry waits.

@@ -357,11 +357,8 @@ func (r *Registry) Launch(graph, stream int64) error {
 		o, s := p.order, streamHandle(stream)
 		o.mu.Lock()
 		defer o.mu.Unlock()
-		if o.ran && o.last != s {
-			if err := r.waitForLast(o, s); err != nil {
-				return fmt.Errorf("ordering the replay on stream %d after the previous replay on stream %d "+
-					"(graphs captured on one stream share its cuBLAS workspace): %w", stream, int64(o.last), err)
-			}
+		if err := r.orderOn(o, s); err != nil {
+			return err
 		}
 		if err := r.drv.Launch(p.exec, s); err != nil {
 			return err
@@ -369,6 +366,41 @@ func (r *Registry) Launch(graph, stream int64) error {
 		o.last, o.ran = s, true
 		return nil
 	})
+}
+
+// Order orders stream as Launch would, without launching: stream waits for
+// the previous launch of any graph captured on graph's capture stream when
+// that ran on another stream, and then counts as the latest stream. What the
+// caller enqueues on stream next (an RNG companion's seed and offset writes,
+// which the previous replay's kernels may still be reading, then the graph's
+// launch) runs after that replay. A failure leaves the order as it was.
+func (r *Registry) Order(graph, stream int64) error {
+	return r.withGraph("order_replay", graph, func(p graphPair) error {
+		o, s := p.order, streamHandle(stream)
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		if err := r.orderOn(o, s); err != nil {
+			return err
+		}
+		if o.ran {
+			o.last = s // s now waits for everything o.last had: later switches wait for s
+		}
+		return nil
+	})
+}
+
+// orderOn makes s wait for o.last when the previous launch ran there. o.mu
+// is held.
+func (r *Registry) orderOn(o *replayOrder, s uintptr) error {
+	if !o.ran || o.last == s {
+		return nil
+	}
+	if err := r.waitForLast(o, s); err != nil {
+		return fmt.Errorf("ordering the replay on stream %d after the previous replay on stream %d "+
+			"(graphs captured on one stream share its cuBLAS workspace and torch's RNG offsets): %w",
+			int64(s), int64(o.last), err)
+	}
+	return nil
 }
 
 // waitForLast makes stream s wait for the work enqueued so far on o.last.

@@ -28,6 +28,11 @@ func (r recoveringGraphs) Launch(graph, stream int64) (err error) {
 	return r.g.Launch(graph, stream)
 }
 
+func (r recoveringGraphs) Order(graph, stream int64) (err error) {
+	defer catchPanic("ordering of graph", graph, &err)
+	return r.g.Order(graph, stream)
+}
+
 func (r recoveringGraphs) Destroy(graph int64) (err error) {
 	defer catchPanic("destroy of graph", graph, &err)
 	return r.g.Destroy(graph)

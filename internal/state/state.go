@@ -82,6 +82,7 @@ type Graphs interface {
 	EndCapture(stream int64) (graph int64, err error)
 	AbortCapture(stream int64) error
 	Launch(graph, stream int64) error
+	Order(graph, stream int64) error
 	Destroy(graph int64) error
 }
 
@@ -220,6 +221,29 @@ func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
 	}
 	if err := l.graphs.Launch(p.Graphs[kind], stream); err != nil {
 		return false, fmt.Errorf("graphed callable %d (%q): replaying its %s graph: %w", p.CallableIndex, p.Label, kind, err)
+	}
+	return true, nil
+}
+
+// Order orders stream for pass id's graph of kind as its replay would be
+// ordered (Graphs.Order), without launching: what the caller enqueues on
+// stream before the replay then runs after the previous replay of the
+// graphs sharing its capture stream. A pass that cannot replay kind, or has
+// no graph for it (eager), orders nothing: the replay reports why.
+func (l *Ledger) Order(id int64, kind Kind, stream int64) (bool, error) {
+	if err := checkKind(kind); err != nil {
+		return false, err
+	}
+	p, err := l.lock(id)
+	if err != nil {
+		return false, err
+	}
+	defer p.mu.Unlock()
+	if p.Lifecycle != Ready || !p.Has[kind] || p.Graphs[kind] == 0 {
+		return false, nil
+	}
+	if err := l.graphs.Order(p.Graphs[kind], stream); err != nil {
+		return false, fmt.Errorf("graphed callable %d (%q): ordering the replay of its %s graph: %w", p.CallableIndex, p.Label, kind, err)
 	}
 	return true, nil
 }

@@ -19,6 +19,7 @@ type fakeGraphs struct {
 	capturing   map[int64]bool
 	destroyed   map[int64]int
 	launches    map[int64]int
+	orders      map[int64]int
 	aborts      int
 	violations  []string
 	failDestroy map[int64]bool
@@ -33,6 +34,7 @@ func newFakeGraphs() *fakeGraphs {
 		capturing:   make(map[int64]bool),
 		destroyed:   make(map[int64]int),
 		launches:    make(map[int64]int),
+		orders:      make(map[int64]int),
 		failDestroy: make(map[int64]bool),
 	}
 }
@@ -86,6 +88,20 @@ func (f *fakeGraphs) Launch(g, stream int64) error {
 		return f.failLaunch
 	}
 	f.launches[g]++
+	return nil
+}
+
+func (f *fakeGraphs) Order(g, stream int64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.live[g] {
+		f.violations = append(f.violations, fmt.Sprintf("ordering of dead graph %d", g))
+		return fmt.Errorf("order_replay: unknown graph handle %d", g)
+	}
+	if f.failLaunch != nil {
+		return f.failLaunch
+	}
+	f.orders[g]++
 	return nil
 }
 
@@ -156,6 +172,50 @@ func wantErr(t *testing.T, err error, want string) {
 	}
 	if err.Error() != want && !strings.Contains(err.Error(), want) {
 		t.Fatalf("error %q\nwant %q", err, want)
+	}
+}
+
+// TestOrder: a ready pass's graph is ordered (no launch); a pass still
+// building, a kind it lacks, an eager kind and a reset pass order nothing and
+// leave the reason to the replay; the registry's error names the pass.
+func TestOrder(t *testing.T) {
+	f := newFakeGraphs()
+	l := NewLedger(f)
+	id, err := l.NewPass(1, "drop")
+	must(t, err)
+	fwd, _ := capture(t, l, id, Forward, "pool", 5)
+	capture(t, l, id, Backward, "pool", 0) // stream 0: eager, no graph
+	if ordered, err := l.Order(id, Forward, 7); ordered || err != nil {
+		t.Fatalf("Order while building = %v, %v", ordered, err)
+	}
+	must(t, l.Seal(id))
+	for _, tc := range []struct {
+		kind Kind
+		want bool
+	}{{Forward, true}, {Backward, false}, {WGrad, false}} {
+		if ordered, err := l.Order(id, tc.kind, 7); ordered != tc.want || err != nil {
+			t.Fatalf("Order(%v) = %v, %v; want %v", tc.kind, ordered, err, tc.want)
+		}
+	}
+	if f.orders[fwd] != 1 || f.launches[fwd] != 0 {
+		t.Fatalf("orders %v, launches %v: want one ordering and no launch", f.orders, f.launches)
+	}
+	f.failLaunch = fmt.Errorf("boom")
+	_, err = l.Order(id, Forward, 7)
+	wantErr(t, err, `graphed callable 1 ("drop"): ordering the replay of its forward graph: boom`)
+	f.failLaunch = nil
+	_, err = l.Order(id, Kind(9), 7)
+	if err == nil {
+		t.Fatal("Order of an unknown kind accepted")
+	}
+	if _, err := l.ResetPass(id); err != nil {
+		t.Fatal(err)
+	}
+	if ordered, err := l.Order(id, Forward, 7); ordered || err != nil {
+		t.Fatalf("Order after reset = %v, %v", ordered, err)
+	}
+	if _, err := l.DropPass(id); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -41,6 +41,7 @@ NAMES = (
     "abort_pass_capture",
     "seal_pass",
     "replay",
+    "order_replay",
     "pass_state",
     "pass_graph",
     "reset_pass",

@@ -52,6 +52,11 @@ def seal_pass(mypass: int) -> bool: ...
 def replay(mypass: int, kind: int, stream: int) -> bool:
     """Launches the pass's graph of kind; False when nothing was launched (eager)."""
 
+def order_replay(mypass: int, kind: int, stream: int) -> bool:
+    """Orders ``stream`` after the previous replay of the graphs sharing the pass's capture
+    stream, without launching (what is enqueued next on it, an RNG companion's writes, runs after
+    that replay); False when there was no graph to order (eager, not ready: the replay says why)."""
+
 def pass_state(mypass: int) -> str:
     """ "building", "ready" or "reset"."""
 

@@ -381,8 +381,8 @@ class CudaEngine(Engine):
         return result, seq
 
     def replay(self, pass_id: int, kind: int) -> None:
-        # The hot path: one capture-status query, one dict probe (RNG companion), one raw
-        # current-stream query, one core call.
+        # The hot path: one capture-status query, one raw current-stream query, one dict probe
+        # (RNG companion: then a core ordering call before it), one core call.
         if _torch.is_current_stream_capturing():
             raise RuntimeError(
                 f"gograph: cannot replay the {KIND_NAMES.get(kind, kind)} graph of pass {pass_id} while the "
@@ -391,14 +391,18 @@ class CudaEngine(Engine):
                 "Graph the callables together in one make_graphed_callables call, or run the original "
                 "(ungraphed) module inside the capture."
             )
+        # The core orders the launch after the previous replay of any graph captured on our
+        # stream when that ran on another stream (a shared cuBLAS workspace: internal/cudagraph).
+        # A companion's seed/offset writes come first and must wait too (the previous replay's
+        # dropout kernels read those holders), so the core orders the stream before them.
+        stream = _torch.current_raw_stream(self.device_index)
         companions = self.rng.companions
         if companions:
             companion = companions.get((pass_id, kind))
             if companion is not None:
+                _core.order_replay(pass_id, kind, stream)
                 companion.replay()
-        # The core orders the launch after the previous replay of any graph captured on our
-        # stream when that ran on another stream (a shared cuBLAS workspace: internal/cudagraph).
-        _core.raw_replay(pass_id, kind, _torch.current_raw_stream(self.device_index))
+        _core.raw_replay(pass_id, kind, stream)
 
     def _release_refs(self, pool: Hashable, refs: int) -> None:
         if refs <= 0:

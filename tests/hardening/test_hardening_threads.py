@@ -268,6 +268,33 @@ def test_cuda_replay_on_another_stream_waits_for_the_previous_one(cuda_device, n
 
 
 @pytest.mark.cuda
+def test_cuda_dropout_replay_on_another_stream_keeps_its_mask(cuda_device, no_tf32):
+    """The RNG companion of a dropout graph writes the generator's seed/offset holders, which the
+    previous replay's kernels read from device memory: a replay on another stream orders those
+    writes after the previous replay too, so each replay draws the mask eager draws."""
+    model = make_mlp(seed=3, d_in=64, d_hidden=256, d_out=64, dropout=0.3, device=cuda_device)
+    ref = twin(model)
+    mgc(model, (torch.randn(32, 64, device=cuda_device),))
+    x = torch.randn(32, 64, device=cuda_device)
+    torch.cuda.manual_seed(7)
+    want = [ref(x).detach(), ref(x).detach()]
+    a, b = torch.cuda.Stream(cuda_device), torch.cuda.Stream(cuda_device)
+    torch.cuda.synchronize(cuda_device)
+    torch.cuda.manual_seed(7)
+    with torch.no_grad():
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(200_000_000)  # stream a is busy when stream b's companion replays
+            first = model(x).clone()
+        with torch.cuda.stream(b):
+            second = model(x).clone()
+    torch.cuda.synchronize(cuda_device)
+    assert not torch.equal(want[0], want[1])
+    assert torch.equal(first, want[0]), "the first replay read the second replay's RNG offset"
+    assert torch.equal(second, want[1])
+    model.reset()
+
+
+@pytest.mark.cuda
 def test_cuda_replay_racing_reset(cuda_device, fast_switching):
     base_graphs = gograph.live_graphs()
     for i in range(20):
