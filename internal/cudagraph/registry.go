@@ -353,13 +353,7 @@ func (r *Registry) orderOf(s uintptr) *replayOrder {
 // any graph captured on the same stream (see replayOrder). A failure to
 // order it launches nothing: racing on the workspace would be silently wrong.
 func (r *Registry) Launch(graph, stream int64) error {
-	return r.withGraph("launch_graph", graph, func(p graphPair) error {
-		o, s := p.order, streamHandle(stream)
-		o.mu.Lock()
-		defer o.mu.Unlock()
-		if err := r.orderOn(o, s); err != nil {
-			return err
-		}
+	return r.ordered("launch_graph", graph, stream, func(p graphPair, o *replayOrder, s uintptr) error {
 		if err := r.drv.Launch(p.exec, s); err != nil {
 			return err
 		}
@@ -375,17 +369,25 @@ func (r *Registry) Launch(graph, stream int64) error {
 // which the previous replay's kernels may still be reading, then the graph's
 // launch) runs after that replay. A failure leaves the order as it was.
 func (r *Registry) Order(graph, stream int64) error {
-	return r.withGraph("order_replay", graph, func(p graphPair) error {
+	return r.ordered("order_replay", graph, stream, func(_ graphPair, o *replayOrder, s uintptr) error {
+		if o.ran {
+			o.last = s // s now waits for everything o.last had: later switches wait for s
+		}
+		return nil
+	})
+}
+
+// ordered runs then under graph's order lock, once stream waits for the
+// order's previous stream (then is not run when that wait fails).
+func (r *Registry) ordered(op string, graph, stream int64, then func(graphPair, *replayOrder, uintptr) error) error {
+	return r.withGraph(op, graph, func(p graphPair) error {
 		o, s := p.order, streamHandle(stream)
 		o.mu.Lock()
 		defer o.mu.Unlock()
 		if err := r.orderOn(o, s); err != nil {
 			return err
 		}
-		if o.ran {
-			o.last = s // s now waits for everything o.last had: later switches wait for s
-		}
-		return nil
+		return then(p, o, s)
 	})
 }
 

@@ -136,10 +136,7 @@ func (l *Ledger) EndCapture(id int64, kind Kind, stream int64) (int, error) {
 // The pool reference stays with the pass. Aborting when no capture of that
 // kind is open is not an error (a cleanup path may run twice).
 func (l *Ledger) AbortCapture(id int64, kind Kind, stream int64) error {
-	if err := checkKind(kind); err != nil {
-		return err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return err
 	}
@@ -165,10 +162,7 @@ func (l *Ledger) abortOpen(p *record) error {
 
 // lockOpen returns pass id locked when its open capture is kind on stream.
 func (l *Ledger) lockOpen(id int64, kind Kind, stream int64) (*record, error) {
-	if err := checkKind(kind); err != nil {
-		return nil, err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return nil, err
 	}

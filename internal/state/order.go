@@ -111,10 +111,7 @@ func (l *Ledger) SetRecarveSpec(id int64, kind Kind, spec string) error {
 // overwrites, as the precise checker knows them; none when it does not
 // know the graph.
 func (l *Ledger) RecarveClobbers(id int64, kind Kind) ([]recarve.Clobber, error) {
-	if err := checkKind(kind); err != nil {
-		return nil, err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return nil, err
 	}
@@ -175,10 +172,7 @@ func (p *record) recordSeq(kind Kind) int {
 // CaptureSeq returns the capture sequence number of pass id's kind in its
 // pool (0 when not recorded) and the pool key ("" when none).
 func (l *Ledger) CaptureSeq(id int64, kind Kind) (int, string, error) {
-	if err := checkKind(kind); err != nil {
-		return 0, "", err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return 0, "", err
 	}
@@ -313,10 +307,7 @@ func (po *poolOrder) check(p *record, kind Kind, s int) error {
 // untouched. Nil when the guard is off for the pass, the pass is not ready
 // (Replay reports that) or the kind's capture was not recorded.
 func (l *Ledger) CheckOrder(id int64, kind Kind) error {
-	if err := checkKind(kind); err != nil {
-		return err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return err
 	}

@@ -156,6 +156,15 @@ func (l *Ledger) lock(id int64) (*record, error) {
 	return p, nil
 }
 
+// lockKind is lock for a call about one kind of graph: an unknown kind is
+// refused before any record is locked.
+func (l *Ledger) lockKind(id int64, kind Kind) (*record, error) {
+	if err := checkKind(kind); err != nil {
+		return nil, err
+	}
+	return l.lock(id)
+}
+
 // NewPass creates a record in state Building for the callable at
 // callableIndex (its position in make_graphed_callables' tuple) and returns
 // its id. label names the callable in errors.
@@ -195,10 +204,7 @@ func (l *Ledger) Seal(id int64) error {
 // whether a graph was launched. The record stays locked across the launch so
 // a concurrent reset cannot destroy the graph underneath it.
 func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
-	if err := checkKind(kind); err != nil {
-		return false, err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return false, err
 	}
@@ -231,10 +237,7 @@ func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
 // graphs sharing its capture stream. A pass that cannot replay kind, or has
 // no graph for it (eager), orders nothing: the replay reports why.
 func (l *Ledger) Order(id int64, kind Kind, stream int64) (bool, error) {
-	if err := checkKind(kind); err != nil {
-		return false, err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return false, err
 	}
@@ -261,10 +264,7 @@ func (l *Ledger) State(id int64) (Lifecycle, error) {
 // Graph returns the handle pass id holds for kind: 0 when the kind is absent,
 // eager, or the pass was reset (its graphs no longer exist).
 func (l *Ledger) Graph(id int64, kind Kind) (int64, error) {
-	if err := checkKind(kind); err != nil {
-		return 0, err
-	}
-	p, err := l.lock(id)
+	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return 0, err
 	}
