@@ -147,24 +147,37 @@ func chain(p *schedule.Plan, facts []Facts, prog *Program) {
 // share memory with a leaf that is still read: one buffer read by two
 // graphs whose lifetimes overlap (from the forward's copy-in to the last
 // backward or weight-gradient read) would carry the second's copy-in into
-// the first's pending backward (torch's graphs share it silently). Leaves
-// whose lifetimes do not overlap keep sharing their sample, as Megatron-LM
-// shares samples between microbatches by the schedule. A sample overlapping
+// the first's pending backward (torch's graphs share it silently). That is
+// decided for leaves that require grad (activations, which differ from
+// layer to layer) and, within one pass, for every leaf (f(a, b) with one
+// sample for both); a leaf that does not require grad (a mask, rotary
+// embeddings: the same for every layer of a step) keeps sharing, as in torch
+// and TransformerEngine, so passing the same tensor to every layer copies
+// nothing. Leaves whose lifetimes do not overlap keep sharing (Megatron-LM
+// shares samples between microbatches by the schedule). A sample overlapping
 // a parameter is never kept: a copy-in would write the weights. A chained
 // leaf reads its producer's output, not its sample, and claims nothing.
 func separate(facts []Facts, prog *Program, at steps) {
-	readers := map[int][][2]int{} // region -> lifetimes of the leaves reading their samples
+	type reader struct {
+		pass int
+		life [2]int
+	}
+	readers := map[int][]reader{} // region -> the leaves reading their samples
 	for pass, f := range facts {
 		life := inputLifetime(f, at, pass)
 		for j, in := range f.Inputs {
 			if in.Region == 0 || prog.Inputs[pass][j].Kind != Own {
 				continue
 			}
-			if in.Param || overlapsAny(readers[in.Region], life) {
+			clash := false
+			for _, r := range readers[in.Region] {
+				clash = clash || r.pass == pass || (in.RequiresGrad && overlaps(r.life, life))
+			}
+			if in.Param || clash {
 				prog.Inputs[pass][j] = Source{Kind: Fresh}
 				continue
 			}
-			readers[in.Region] = append(readers[in.Region], life)
+			readers[in.Region] = append(readers[in.Region], reader{pass, life})
 		}
 	}
 }
@@ -181,14 +194,7 @@ func inputLifetime(f Facts, at steps, pass int) [2]int {
 	return [2]int{b.first, b.last}
 }
 
-func overlapsAny(lives [][2]int, l [2]int) bool {
-	for _, o := range lives {
-		if l[0] <= o[1] && o[0] <= l[1] {
-			return true
-		}
-	}
-	return false
-}
+func overlaps(a, b [2]int) bool { return a[0] <= b[1] && b[0] <= a[1] }
 
 // producers gives, per pass, the pass whose outputs it consumes when layers
 // are chained (-1 for none): the previous callable of the default schedule,

@@ -209,6 +209,7 @@ func TestSeparateSharedSamples(t *testing.T) {
 		return InputLeaf{Sig: 0, RequiresGrad: true, Region: region, Param: param}
 	}
 	unique := InputLeaf{Sig: 0, RequiresGrad: true, Unique: true}
+	mask := InputLeaf{Sig: 3, Region: 1}
 	own, fresh, chained := Source{Kind: Own}, Source{Kind: Fresh}, func(q int) Source { return Source{Kind: Chained, Pass: q} }
 	training := defaultPlan(t, 3, true)
 	two := defaultPlan(t, 2, true)
@@ -239,6 +240,10 @@ func TestSeparateSharedSamples(t *testing.T) {
 		{"microbatches in flight together do not", plan(t, []float64{1, 1, -1, 1, -1, -1}, "1", 1, 3),
 			[][]InputLeaf{{shared(1, false)}, {shared(1, false)}, {shared(1, false)}},
 			Options{Reuse: true}, [][]Source{{own}, {fresh}, {own}}},
+		{"a mask (no grad) shared by live layers keeps one buffer", training, [][]InputLeaf{{mask}, {mask}, {mask}},
+			Options{}, [][]Source{{own}, {own}, {own}}},
+		{"but not twice in one callable", two, [][]InputLeaf{{mask, mask}, {mask}},
+			Options{}, [][]Source{{own, fresh}, {own}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			facts := layer(tc.p)
@@ -500,9 +505,10 @@ func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Optio
 	return slotInvariants(p, facts, prog)
 }
 
-// regionInvariants: no two leaves that read their samples share memory
-// while both are live, no leaf reading its sample overlaps a parameter, and
-// only shared leaves get a buffer of their own.
+// regionInvariants: no leaf that requires grad reads its sample while
+// another leaf of its memory is live, no two leaves of one pass read one
+// region, no leaf reading its sample overlaps a parameter, and only shared
+// leaves get a buffer of their own.
 func regionInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
 	at := stepsOf(p)
 	type reader struct {
@@ -521,7 +527,7 @@ func regionInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
 				return fmt.Errorf("pass %d input %d reads a sample overlapping a parameter", pass, j)
 			default:
 				for _, r := range readers[in.Region] {
-					if life[0] <= r.life[1] && r.life[0] <= life[1] {
+					if r.pass == pass || (in.RequiresGrad && overlaps(r.life, life)) {
 						return fmt.Errorf("passes %d and %d (inputs %d, %d) both read region %d while live (%v, %v)", r.pass, pass, r.leaf, j, in.Region, r.life, life)
 					}
 				}

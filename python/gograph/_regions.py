@@ -4,8 +4,8 @@ of one tensor, one tensor twice in a callable's args) or with a parameter.
 torch makes each sample its graph's static input, so a sample shared by two graphs is one buffer
 both read, and a copy-in for the second silently changes what the first one's pending backward
 reads. The core's planner (``separate`` in internal/lifetime) decides, by the passes' lifetimes in
-the schedule, which leaves of a shared region keep their sample and which get a clone; this module
-only measures the overlaps, as facts.
+the schedule and whether each leaf requires grad, which leaves of a shared region keep their
+sample and which get a clone; this module only measures the overlaps, as facts.
 """
 
 from __future__ import annotations

@@ -104,10 +104,12 @@ def make_graphed_callables(
             of the same structure, shapes and devices (a dtype the copy-in casts is accepted). The
             ``requires_grad`` state of each leaf must match the real inputs'. Each sample is its
             graph's static input, as in torch, except where samples share memory (one tensor for
-            several callables or twice in one, overlapping views, a parameter): a leaf whose
-            memory another live pass reads (by the schedule) gets a clone, so no copy-in changes
-            what another graph's pending backward reads (torch's graphs would share one buffer,
-            silently wrong), nor a parameter.
+            several callables or twice in one, overlapping views, a parameter): a leaf that
+            requires grad and whose memory another live pass reads (by the schedule), a second
+            leaf of one callable, and a parameter get a clone, so no copy-in changes what another
+            graph's pending backward reads (torch's graphs would share one buffer, silently
+            wrong), nor the weights. Shared leaves that need no grad (masks, rotary embeddings)
+            stay one buffer, as in torch: pass every layer of a step the same contents.
         num_warmup_iters: forward+backward warmup iterations before capture (default 3). With 0,
             generator use is unknown and CUDA captures always carry RNG state.
         allow_unused_input: if False, a sample arg (or parameter) that requires grad but is not

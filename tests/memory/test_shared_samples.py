@@ -2,9 +2,10 @@
 views of one tensor, the same tensor twice in one callable, a parameter as a sample -- on the
 eager engine. torch uses each sample as its graph's static input, so there one static buffer is
 read by several graphs and a later copy-in silently changes what an earlier forward's pending
-backward reads. gograph's planner gives a buffer of its own to every leaf whose memory another
-live pass reads (by the schedule; passes run one after another keep sharing) and to any sample
-that overlaps a parameter, so these train bitwise like eager. (The CUDA counterparts are in
+backward reads. gograph's planner gives a buffer of its own to every leaf that requires grad and
+whose memory another live pass reads (by the schedule; passes run one after another keep
+sharing), to a second leaf of one callable, and to any sample that overlaps a parameter, so these
+train bitwise like eager; a shared mask (no grad) stays one buffer, as in torch. (The CUDA counterparts are in
 test_shared_samples_cuda.py.)"""
 
 from __future__ import annotations
@@ -189,3 +190,36 @@ def test_a_schedule_shares_samples_whose_passes_do_not_overlap(order: list[int],
     assert torch.equal(layer.fc.weight.grad, ref.fc.weight.grad) and torch.equal(layer.fc.bias.grad, ref.fc.bias.grad)
     for g in graphs:
         g.reset()
+
+
+class Masked(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = torch.nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * mask
+
+
+def test_a_mask_shared_by_every_layer_stays_one_buffer() -> None:
+    """An input that does not require grad (a mask, rotary embeddings) shared by the layers keeps
+    one static buffer, as in torch: every layer of a step gets the same contents, and passing the
+    sample itself copies nothing."""
+    layers = [Masked(i) for i in range(3)]
+    ref = copy.deepcopy(layers)
+    mask = (torch.rand(4, FEATURES) > 0.3).float()
+    x = torch.randn(4, FEATURES, requires_grad=True)
+    graphed = gograph.make_graphed_callables(tuple(layers), tuple((x, mask) for _ in range(3)))
+    assert all(g.forward.static_input_surface[1] is mask for g in graphed)
+    assert len({g.forward.static_input_surface[0].data_ptr() for g in graphed}) == 3  # x: separated
+    for calls in (graphed, ref):
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(2):
+            h = torch.randn(4, FEATURES, generator=gen).requires_grad_()
+            for c in calls:
+                h = c(h, mask)
+            h.square().sum().backward()
+    assert all(torch.equal(a.fc.weight.grad, b.fc.weight.grad) for a, b in zip(layers, ref))
+    for g in graphed:
+        g.forward.reset()
