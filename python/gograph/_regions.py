@@ -34,7 +34,9 @@ def _span(t: Tensor, order: int, leaf: tuple[int, int] | None) -> _Span | None:
         return None
     try:
         start = t.data_ptr()
-    except RuntimeError:  # a tensor without storage (a functional wrapper)
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (a functional or fake wrapper)
+        return None
+    if start == 0:  # nothing allocated behind it
         return None
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return (str(t.device), start, start + extent * t.element_size(), order, leaf)

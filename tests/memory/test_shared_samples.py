@@ -223,3 +223,15 @@ def test_a_mask_shared_by_every_layer_stays_one_buffer() -> None:
     assert all(torch.equal(a.fc.weight.grad, b.fc.weight.grad) for a, b in zip(layers, ref))
     for g in graphed:
         g.forward.reset()
+
+
+@pytest.mark.parametrize(("rows", "separated"), [((4, 8), False), ((2, 6), True)])
+def test_views_share_only_when_their_bytes_overlap(rows: tuple[int, int], separated: bool) -> None:
+    big = torch.randn(8, FEATURES)
+    a = big[:4].requires_grad_()
+    b = big[rows[0] : rows[1]].requires_grad_()  # rows 4..8: disjoint from a; rows 2..6: overlapping
+    graphed = gograph.make_graphed_callables((Layer(0), Layer(1)), ((a,), (b,)))
+    assert graphed[0].forward.static_input_surface[0] is a
+    assert (graphed[1].forward.static_input_surface[0] is not b) == separated
+    for g in graphed:
+        g.forward.reset()
