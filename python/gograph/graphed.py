@@ -6,10 +6,10 @@ which engine and pool replay it. Replays go through one module-level autograd Fu
 path is a few attribute reads, the argument checks, the copy-in, and one core call.
 
 Aliasing, as with ``torch.cuda.make_graphed_callables``: outputs and input grads are detached
-views of static buffers that later replays overwrite; static inputs are the samples, except that
-samples sharing memory were separated at build (:mod:`gograph._regions`), so no two graphs read
-one static input. gograph adds two aliasing contracts of its
-own (both documented on ``make_graphed_callables``):
+views of static buffers that later replays overwrite; static inputs are the samples, except where
+samples sharing memory were separated at build (:mod:`gograph._regions`: no copy-in writes what
+another graph's pending backward reads; inputs that need no grad may stay shared, as in torch).
+gograph adds two aliasing contracts of its own (both documented on ``make_graphed_callables``):
 
 * with ``chain_buffers`` a chained input *is* the previous layer's output buffer: the graph reads
   it in place, so the callable must be called with that very tensor (anything else raises); its
