@@ -257,6 +257,7 @@ def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
         wgrad=st.wgrad_body,
         chained_inputs=frozenset(st.chained_inputs),
         chained_grad_outputs=frozenset(st.chained_grad_outputs),
+        separated_inputs=frozenset(st.separated_inputs),
         released_outputs=frozenset(i for r, i in st.released if r == "o"),
         released_grad_inputs=frozenset(i for r, i in st.released if r != "o"),
         grad_policy=policy,

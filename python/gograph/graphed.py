@@ -74,6 +74,7 @@ class PassResult:
     wgrad: WgradBody | None
     chained_inputs: frozenset[int] = frozenset()
     chained_grad_outputs: frozenset[int] = frozenset()
+    separated_inputs: frozenset[int] = frozenset()  # a clone of the sample (it shares memory)
     released_outputs: frozenset[int] = frozenset()  # pool-planned: handed back, not owned
     released_grad_inputs: frozenset[int] = frozenset()
     grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
@@ -257,6 +258,7 @@ class GraphedCallable:
         self.output_spec = result.output_spec
         self.has_backward = result.has_backward
         self.chained_inputs, self.chained_grad_outputs = result.chained_inputs, result.chained_grad_outputs
+        self.separated_inputs = result.separated_inputs
         self.released_outputs, self.released_grad_inputs = result.released_outputs, result.released_grad_inputs
         self._single_output = result.output_spec.is_leaf()
         self._nondiff_outputs = tuple(

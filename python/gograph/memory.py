@@ -92,6 +92,10 @@ class PassMemory:
     layer's output, grad outputs that are the next layer's input grad."""
     lent_param_grads: int
     """Parameter grads whose static buffer is lent to ``.grad`` (``chain_buffers``)."""
+    separated_inputs: list[str]
+    """Inputs whose static buffer is a clone of the sample, because the sample shares memory with
+    another pass's that is live at the same time, or with a parameter (docs/API.md, "Samples
+    that share memory")."""
     graph_nodes: dict[str, int | None]
     """Node count of each captured graph by kind; None on the eager engine or after reset."""
     replay_order_check: bool
@@ -345,6 +349,7 @@ class _Collector:
             chained_slots=[f"input[{j}]" for j in sorted(g.chained_inputs)]
             + [f"grad_output[{k}]" for k in sorted(g.chained_grad_outputs)],
             lent_param_grads=int(g.lent_param_grads),
+            separated_inputs=[f"input[{j}]" for j in sorted(g.separated_inputs)],
             graph_nodes=nodes,
             replay_order_check=bool(_core.replay_order_check(pid)),
             captures=[c for c in build.captures if c.pass_id == pid] if build is not None else [],
@@ -527,11 +532,13 @@ def _format(r: MemoryReport) -> str:
     out += _table(_HEADER, rows, right=(0, 1, 5, 6, 7, 8, 9, 10, 11, 12))
     lent = sum(p.lent_param_grads for p in r.passes)
     chained = sum(len(p.chained_slots) for p in r.passes)
+    separated = sum(len(p.separated_inputs) for p in r.passes)
     out.append(
         f"static buffers: {fmt_bytes(t.static_bytes)} (inputs, outputs, grad buffers; parameters not included), "
         f"{fmt_bytes(t.pool_planned_bytes)} of it pool-planned (not owned); sharing saves {fmt_bytes(t.shared_bytes)}"
         + (f"; {chained} chained slot(s)" if chained else "")
         + (f"; {lent} parameter grad(s) lent to .grad" if lent else "")
+        + (f"; {separated} input(s) separated (a clone of a sample that shares memory)" if separated else "")
     )
     out.append("pools:")
     for pool in r.pools:

@@ -153,6 +153,8 @@ def test_memory_report_counts_the_buffers_of_their_own() -> None:
     assert [p.static_input_bytes for p in report.passes] == [one] * 3
     assert report.totals.static_input_bytes == 3 * one  # three buffers, none of them shared
     assert report.shared == []
+    assert [p.separated_inputs for p in report.passes] == [[], ["input[0]"], ["input[0]"]]
+    assert "2 input(s) separated" in str(report)
     plan = gograph.plan_memory(tuple(Layer(i) for i in range(3)), _one_sample(3))
     assert [p.static_input_bytes for p in plan.passes] == [one] * 3
     assert plan.totals.new_buffer_bytes == 2 * one + 3 * one  # the two clones and three grad-output buffers
@@ -233,5 +235,14 @@ def test_views_share_only_when_their_bytes_overlap(rows: tuple[int, int], separa
     graphed = gograph.make_graphed_callables((Layer(0), Layer(1)), ((a,), (b,)))
     assert graphed[0].forward.static_input_surface[0] is a
     assert (graphed[1].forward.static_input_surface[0] is not b) == separated
+    for g in graphed:
+        g.forward.reset()
+
+
+def test_the_build_says_what_it_separated(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="gograph"):
+        graphed = gograph.make_graphed_callables(tuple(Layer(i) for i in range(3)), _one_sample(3))
+    said = [r.getMessage() for r in caplog.records if "share memory" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("gograph: 2 sample arg(s) of 2 pass(es) share memory")
     for g in graphed:
         g.forward.reset()
