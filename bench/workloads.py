@@ -14,6 +14,8 @@ the arms differ only in what graphing adds.
   that requires grad (what the rank receives), each chunk backward a fresh output grad; grads
   accumulate over the 8 microbatches of a step.
 * ``stack``: 32 per-layer Linear(256) + ReLU, 64 rows, fp32: launch-bound (step time only).
+* ``stack_dropout``: the stack with Dropout(0.1) after each ReLU (every pass has an RNG companion,
+  so every replay also orders the stream and replays the companion).
 
 ``--small`` sizes (tests, CPU smoke runs) keep the structure with tiny tensors.
 """
@@ -126,12 +128,14 @@ class PipeLayer(torch.nn.Module):
 
 
 class LinearReLU(torch.nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc = torch.nn.Linear(width, width)
+        self.p = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.relu(self.fc(x))
+        x = F.relu(self.fc(x))
+        return F.dropout(x, self.p, self.training) if self.p else x
 
 
 @dataclass
@@ -277,7 +281,7 @@ class Workload:
 
 
 def workload(name: str, small: bool = False) -> Workload:
-    """The workload ``name`` (chain, blocks, pipeline, stack), tiny with ``small``."""
+    """The workload ``name`` (chain, blocks, pipeline, stack, stack_dropout), tiny with ``small``."""
     if name == "chain":
         w = 32 if small else 4096
         return Workload("chain", 8, (16 if small else 8192, w), torch.bfloat16, lambda: MLP(w))
@@ -300,10 +304,12 @@ def workload(name: str, small: bool = False) -> Workload:
         )
     if name == "stack":
         return Workload("stack", 32, (64, 256), torch.float32, lambda: LinearReLU(256))
-    raise ValueError(f"unknown workload {name!r} (chain, blocks, pipeline, stack)")
+    if name == "stack_dropout":
+        return Workload("stack_dropout", 32, (64, 256), torch.float32, lambda: LinearReLU(256, 0.1))
+    raise ValueError(f"unknown workload {name!r} (chain, blocks, pipeline, stack, stack_dropout)")
 
 
-WORKLOADS = ("chain", "blocks", "pipeline", "stack")
+WORKLOADS = ("chain", "blocks", "pipeline", "stack", "stack_dropout")
 
 
 def param_digest(layers: Sequence[torch.nn.Module]) -> str:
