@@ -18,7 +18,10 @@ and the memory report's static bytes.
 
 Bench options in an arm (not gograph's): ``shared_samples`` (``=all``: layer 0's too, see
 bench/workloads.py), ``loss_in_graph`` (see graph());
-``copies`` (eager: the copies any graph needs); for the pipeline ``recv`` (every chunk input is
+``copies`` (eager: the copies any graph needs); ``pools`` (eager: the batch and the loss in a
+pool of their own, the layers' memory in the default pool: the two pools graphed training has,
+bench/workloads.py's CallerPool; with ``copies`` the floor of graphed training with the loss
+outside the graphs); for the pipeline ``recv`` (every chunk input is
 received at its forward and dropped after its backward, as on a pipeline rank, instead of made
 up front) and ``recv_into_static`` (gograph: received straight into the graph's static input,
 Megatron-LM's pattern, so the replay copies nothing in). Compare ``recv`` arms with ``recv`` arms:
@@ -44,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph
 
-from workloads import WORKLOADS, WithLoss, param_digest, workload
+from workloads import WORKLOADS, CallerPool, WithLoss, param_digest, workload
 
 MiB = 2**20
 MODES = {"none": True, "zero": False}  # zero_grad(set_to_none=...)
@@ -154,6 +157,7 @@ def run_cell(
     base_res, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     result: dict[str, Any] = {"workload": name, "arm": arm, "mode": mode}
     graphed = None
+    caller_pool = CallerPool(device) if maker == "eager" and kwargs.get("pools") else None
     if maker == "eager":
         calls: list[Any] = wl.eager_calls(layers)
         if kwargs.get("copies"):
@@ -175,8 +179,9 @@ def run_cell(
         calls = tr.wrap(calls)
     for s in range(steps):
         tr.step = s
-        batch = wl.batch(gen, device, recv=recv or into_static)
-        batch.into = into
+        with CallerPool.routing(caller_pool):
+            batch = wl.batch(gen, device, recv=recv or into_static)
+        batch.into, batch.pool = into, caller_pool
         wl.step(calls, batch)
         del batch
         tr.mark("after backward")

@@ -22,7 +22,8 @@ the arms differ only in what graphing adds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ class Batch:
     grads: list[Tensor] = field(default_factory=list)
     gen: torch.Generator | None = None  # recv: where received data comes from
     into: dict[int, Tensor] = field(default_factory=dict)  # recv: chunk input k lands in into[k]
+    pool: CallerPool | None = None  # the caller's tensors in a pool of their own (CallerPool)
 
     def receive(self, k: int, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = True) -> Tensor:
         """Input k: pre-made, or received now (see the class docstring), on ``gen``'s device."""
@@ -60,10 +62,71 @@ class Batch:
         device = self.gen.device
         target = self.into.get(k)
         if target is None:
-            return torch.randn(shape, generator=self.gen, device=device, dtype=dtype).requires_grad_(requires_grad)
+            with CallerPool.routing(self.pool):
+                return torch.randn(shape, generator=self.gen, device=device, dtype=dtype).requires_grad_(requires_grad)
         with torch.no_grad():  # in place, as a receive is: randn is empty().normal_(), same draws
             target.normal_(generator=self.gen)
         return target
+
+
+class CallerPool:
+    """A memory pool of its own for what a step allocates outside the layers: the batch (inputs,
+    the pipeline's output grads, received inputs) and the loss with its backward down to the last
+    layer's incoming grad (the footprint bench's eager ``pools=1`` arm).
+
+    That is the structure graphed training has, whatever the graphing library: the layers'
+    memory is the graph pool, the caller's tensors are in the default pool, and neither pool can
+    use the other's free blocks (a graph pool block handed to a caller's tensor would be
+    overwritten by the next replay). Eager training with this split is a floor for graphed
+    training with the loss outside the graphs, as ``copies=1`` is for a graph's copies.
+
+    While routing, every allocation goes to the pool whatever its thread or stream (torch's
+    ``_cuda_beginAllocateToPool``): the loss's backward runs on autograd's device thread. CUDA
+    only; the pool lives as long as the process."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"the bench's pools=1 needs a CUDA device, got {device}")
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.id = torch.cuda.graph_pool_handle()
+
+    def begin(self) -> None:
+        torch._C._cuda_beginAllocateToPool(self.device, self.id)
+
+    def end(self) -> None:
+        torch._C._cuda_endAllocateToPool(self.device, self.id)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def routing(pool: CallerPool | None) -> Iterator[None]:
+        """Allocations inside go to ``pool`` (none: the default pool, nothing changes)."""
+        if pool is None:
+            yield
+            return
+        pool.begin()
+        try:
+            yield
+        finally:
+            pool.end()
+
+    def loss_backward(self, x: Tensor) -> None:
+        """``loss_of(x).backward()`` with the loss's forward and backward in this pool: routing
+        ends when ``x``'s grad is made (a hook on ``x``, on autograd's thread), so the layers'
+        backward allocates in the layers' pool."""
+        routed = [True]
+
+        def stop(_grad: Tensor | None = None) -> None:
+            if routed[0]:
+                routed[0] = False
+                self.end()
+
+        self.begin()
+        try:
+            loss = loss_of(x)
+            x.register_hook(stop)
+            loss.backward()
+        finally:
+            stop()
 
 
 class MLP(torch.nn.Module):
@@ -222,7 +285,10 @@ class Workload:
             x = batch.receive(0, self.input_shape, self.dtype, requires_grad=False)
             for call in calls:
                 x = call(x)
-            loss_of(x).backward()
+            if batch.pool is None:
+                loss_of(x).backward()
+            else:
+                batch.pool.loss_backward(x)
             return
         self._pipeline_step(calls, batch)
 
