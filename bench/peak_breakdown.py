@@ -132,12 +132,33 @@ def print_segments(segs: list[dict[str, int]], most: int) -> None:
     print(f"   {len(segs)} segments, {free / MiB:.0f} MiB free in them")
 
 
+def print_events(trace: list[dict[str, Any]], at: int, around: int) -> None:
+    """The allocator events around trace entry ``at`` (what made the peak's segment, and why no
+    free block served it)."""
+    for i in range(max(0, at - around), min(len(trace), at + around + 1)):
+        e = trace[i]
+        mark = ">>" if i == at else "  "
+        print(
+            f"   {mark} {i:6d} {e['action']:16s} {e.get('size', 0) / MiB:9.2f} MiB [stream {e.get('stream', 0):#x}] "
+            f"{where(e.get('frames') or [])}"
+        )
+
+
 def report(
-    name: str, trace: list[dict[str, Any]], start: int, stop: int, base: int, top: int, segments: int = 0
+    name: str,
+    trace: list[dict[str, Any]],
+    start: int,
+    stop: int,
+    base: int,
+    top: int,
+    segments: int = 0,
+    events: int = 0,
 ) -> dict[str, Any]:
     at, peak = replay(trace, start, stop, base)
     if segments:
         print_segments(segments_at(trace, at), segments)
+    if events:
+        print_events(trace, at, events)
     groups, streams = live_at(trace, at)
     live = sum(groups.values())
     print(f"== {name}: peak reserved {peak / MiB:.0f} MiB over after-init (trace entry {at})")
@@ -159,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--segments", type=int, default=0, metavar="N", help="list the N segments with the most free bytes")
+    ap.add_argument(
+        "--events", type=int, default=0, metavar="N", help="list the N allocator events on each side of a peak"
+    )
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -175,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload} {args.arm} {args.mode}: footprint peak {row['peak_reserved'] / MiB:.0f} MiB")
     out = []
     if "build" in marks:
-        out.append(report("build", trace, init, marks["build"], base, args.top, args.segments))
-    out.append(report("steps", trace, marks.get("build", init), len(trace), base, args.top, args.segments))
+        out.append(report("build", trace, init, marks["build"], base, args.top, args.segments, args.events))
+    out.append(report("steps", trace, marks.get("build", init), len(trace), base, args.top, args.segments, args.events))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cell": [args.workload, args.arm, args.mode], "row": row, "phases": out}, f)
