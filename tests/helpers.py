@@ -46,3 +46,15 @@ def batches(
 ) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(shape, generator=g).to(device).requires_grad_(requires_grad) for _ in range(n)]
+
+
+class Masked(torch.nn.Module):
+    """``tanh(fc(x)) * mask``: a layer that takes a mask (no grad) beside its activation."""
+
+    def __init__(self, seed: int, features: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = torch.nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * mask

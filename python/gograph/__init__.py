@@ -10,7 +10,7 @@ lifecycle; replays re-run the callable).
 Public names:
 
 * :func:`make_graphed_callables`, :class:`GraphedCallable`, :class:`GraphedModule` (its typing)
-* :class:`StaticInputMismatchError`, :class:`ChainedInputError`, :class:`ScheduleError`
+* :class:`StaticInputMismatchError`, :class:`ChainedInputError`, :class:`SharedInputError`, :class:`ScheduleError`
 * :func:`graph_pool_handle` -- a pool token to share between calls
 * :func:`cuda_available`, :func:`cuda_unavailable_reason`, :func:`core_flavor` -- which core flavor was loaded, and why
 * :func:`live_graphs`, :func:`live_passes`, :func:`live_plans` -- leak checks against the core's registries
@@ -25,6 +25,7 @@ from . import _core, _native
 from ._native import cuda_available, cuda_unavailable_reason
 from ._plan import ScheduleError, megatron_order
 from ._reuse import BufferReuse
+from ._shared_inputs import SharedInputError
 from .engines import CudaEngine, EagerEngine, EagerPool, Engine
 from .graphed import ChainedInputError, GraphedCallable, StaticInputMismatchError
 from .graphs import GraphedModule, graph_pool_handle, live_graphs, live_passes, live_plans, make_graphed_callables
@@ -67,6 +68,7 @@ __all__ = [
     "MemoryPlan",
     "MemoryReport",
     "ScheduleError",
+    "SharedInputError",
     "StaticInputMismatchError",
     "__version__",
     "core_flavor",

@@ -26,6 +26,7 @@ import torch
 from . import _args, _core, _observe, _plan, _recarve, _reuse
 from ._args import PassSpec, Request
 from ._captures import apply_separated, apply_slots, run_captures
+from ._shared_inputs import SharedInput, shared_inputs
 from ._state import PassState
 from ._warmup import WarmupObserver, run_warmup
 from .engines import CudaEngine, Engine, resolve_engine
@@ -214,9 +215,15 @@ class Build:
             buffer_reuse=self.reuse,
             lent=lent_grads(self.engine.pool_key(self.pool)),
         )
+        guards = shared_inputs(
+            [st.flat_args for st in self.states],
+            [st.pass_id for st in self.states],
+            [f"graphed callable {st.index} ({st.spec.label})" for st in self.states],
+            [_plain_copies(st) for st in self.states],
+        )
         out = []
-        for st in self.states:
-            out.append(GraphedCallable(st.spec, _result(st, program), st.pass_id, shared))
+        for st, shared_leaves in zip(self.states, guards):
+            out.append(GraphedCallable(st.spec, _result(st, program, shared_leaves), st.pass_id, shared))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
@@ -229,7 +236,16 @@ class Build:
         return out
 
 
-def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
+def _plain_copies(st: PassState) -> frozenset[int]:
+    """The leaves the shared-input guard leaves alone: chained ones (never copied into) and those
+    the forward writes in place (a replay changes their buffer without a version bump), every
+    leaf when no warmup ran to tell."""
+    if not st.warmed:
+        return frozenset(range(len(st.flat_args)))
+    return frozenset(st.chained_inputs) | st.mutated_inputs
+
+
+def _result(st: PassState, program: _plan.CaptureProgram, shared_leaves: dict[int, SharedInput]) -> PassResult:
     n = len(st.flat_args)
     policy: dict[int, str] = {}
     if st.has_backward:
@@ -262,4 +278,5 @@ def _result(st: PassState, program: _plan.CaptureProgram) -> PassResult:
         released_grad_inputs=frozenset(i for r, i in st.released if r != "o"),
         grad_policy=policy,
         seq=(st.seq[0], st.seq[1]),
+        shared_inputs=shared_leaves,
     )

@@ -56,6 +56,7 @@ class PassState:
         self.wgrad_body: _te.WgradBody | None = None
         self.chained_inputs: set[int] = set()
         self.separated_inputs: set[int] = set()  # leaves given a clone of their sample (_regions)
+        self.mutated_inputs: frozenset[int] = frozenset()  # leaves its forward writes in place (warmup)
         self.chained_grad_outputs: set[int] = set()
         self.released: set[tuple[str, int]] = set()  # (role, index) handed back to the pool
         self.seq = [0, 0]

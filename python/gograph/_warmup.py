@@ -39,6 +39,12 @@ def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device
             )
 
 
+def versions(tensors: Sequence[Tensor]) -> list[int | None]:
+    """Each tensor's version counter (None for an inference tensor, which has none): a forward
+    that changes one writes that input in place."""
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
 class WarmupObserver(Protocol):
     """Sees every warmup op (``gograph.plan_memory`` records allocations per op): ``op`` before
     op ``i`` runs and once more with ``i == len(ops)`` at the end, ``forward`` after a forward
@@ -121,8 +127,10 @@ def warm_forward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, device: 
             else contextlib.nullcontext()
         ),
     ):
+        before = None if st.warmed else versions(st.flat_args)
         outputs = st.body(*st.sample_args, **st.sample_kwargs)
-    if not st.warmed:
+    if before is not None:
+        st.mutated_inputs = frozenset(j for j, (v, w) in enumerate(zip(before, versions(st.flat_args))) if v != w)
         check_outputs(st, outputs, device)
         st.output_meta = tuple((tensor_signature(o), bool(o.requires_grad)) for o in outputs)
         st.warmed = True

@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from . import _core, _plan, _torch
 from ._bodies import flat_tuple_spec
 from ._handouts import WATCH
+from ._shared_inputs import SharedInput
 from .engines import BACKWARD, CAPTURE_STATE, FORWARD, WGRAD, CudaEngine, Engine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,6 +80,7 @@ class PassResult:
     released_grad_inputs: frozenset[int] = frozenset()
     grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
     seq: tuple[int, int] = (0, 0)  # capture sequence numbers of its forward and backward
+    shared_inputs: dict[int, SharedInput] = field(default_factory=dict)  # leaf -> its shared buffer's guard
 
 
 @dataclass(eq=False)
@@ -278,11 +280,14 @@ class GraphedCallable:
 
     def _init_call(self, spec: PassSpec, result: PassResult) -> None:
         """Replay-time argument checks, precomputed: per user arg (static, shape, dtype, device
-        index, chained)."""
-        self._input_sig: tuple[tuple[Tensor, torch.Size, torch.dtype, int, bool], ...] = tuple(
-            (s, s.shape, s.dtype, s.get_device(), j in result.chained_inputs)
+        index, chained, the guard of a buffer shared with other passes or None)."""
+        guards = result.shared_inputs
+        self._input_sig: tuple[tuple[Tensor, torch.Size, torch.dtype, int, bool, SharedInput | None], ...] = tuple(
+            (s, s.shape, s.dtype, s.get_device(), j in result.chained_inputs, guards.get(j))
             for j, s in enumerate(result.static_inputs)
         )
+        self._shared_guards = tuple({id(g): g for g in guards.values()}.values())
+        self.shared_inputs = frozenset(guards)  # leaves whose static buffer other callables read too
         self._args_spec = spec.args_spec
         self._flat_args = spec.args_spec == flat_tuple_spec(spec.args_spec.num_leaves)
         self._nograd_args = (
@@ -471,7 +476,7 @@ class GraphedCallable:
             self._raise_reset()
         if lent is not None and lent.entries:
             lent.sweep(self._fwd_seq)
-        for i, (static, shape, dtype, device, chained) in enumerate(sig):
+        for i, (static, shape, dtype, device, chained, guard) in enumerate(sig):
             new = inputs[i]
             if new is not static:
                 try:
@@ -483,7 +488,10 @@ class GraphedCallable:
                 if static.data_ptr() != new.data_ptr():
                     if chained:
                         self._raise_unchained(i, new)
-                    static.copy_(new)
+                    if guard is None:
+                        static.copy_(new)
+                    else:  # another pass reads this buffer too (_shared_inputs)
+                        guard.copy_in(self.pass_id, i, static, new)
                 elif chained and new.stride() != static.stride():
                     self._raise_unchained(i, new)
         if opts is None:
@@ -587,7 +595,7 @@ class GraphedCallable:
     def _check_arg(self, i: int, new: Any, chained: bool) -> None:
         """The slow path of the argument check: raises for what a graph cannot replay; a dtype
         the copy-in casts (torch's autocast pattern) is accepted (noted once per callable)."""
-        static, shape, dtype, device, _ = self._input_sig[i]
+        static, shape, dtype, device, _, _ = self._input_sig[i]
         where = f"argument leaf {i} of graphed callable {self.index} ({self.label})"
         if not isinstance(new, Tensor):
             raise TypeError(
@@ -645,7 +653,7 @@ class GraphedCallable:
             self._released = True
             self.static_input_surface = self.static_outputs = self.module_params = ()
             self.static_grad_outputs = self.static_grad_inputs = ()
-            self._param_grad_slots, self._input_sig, self._wgrad = (), (), None
+            self._param_grad_slots, self._input_sig, self._wgrad, self._shared_guards = (), (), None, ()
         log.debug("gograph: reset pass %d (%s)", self.pass_id, self.label)
 
 
@@ -694,6 +702,8 @@ class _GraphedFunction(torch.autograd.Function):
         ctx.graphed = graphed
         ctx.opts = opts  # cuda_graph_stream / cuda_graph_event, also used by the backward
         outputs = graphed._replay_forward(inputs, opts)
+        for guard in graphed._shared_guards:  # its backward, until it runs, reads those buffers
+            guard.forward_ran(graphed.pass_id, ctx)
         if graphed._nondiff_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
         return outputs

@@ -109,7 +109,9 @@ def make_graphed_callables(
             leaf of one callable, and a parameter get a clone, so no copy-in changes what another
             graph's pending backward reads (torch's graphs would share one buffer, silently
             wrong), nor the weights. Shared leaves that need no grad (masks, rotary embeddings)
-            stay one buffer, as in torch: pass every layer of a step the same contents.
+            stay one buffer, as in torch: pass every layer of a step the same contents (the same
+            tensor is copied once); other contents while a sharer's backward is still to run
+            raise ``SharedInputError`` instead of changing what that backward reads.
         num_warmup_iters: forward+backward warmup iterations before capture (default 3). With 0,
             generator use is unknown and CUDA captures always carry RNG state.
         allow_unused_input: if False, a sample arg (or parameter) that requires grad but is not

@@ -96,6 +96,9 @@ class PassMemory:
     """Inputs whose static buffer is a clone of the sample, because the sample shares memory with
     another pass's that is live at the same time, or with a parameter (docs/API.md, "Samples
     that share memory")."""
+    shared_inputs: list[str]
+    """Inputs whose static buffer other passes' graphs read too (a no-grad sample passed to
+    several layers, a slot shared by schedule); a call's copy into one is guarded."""
     graph_nodes: dict[str, int | None]
     """Node count of each captured graph by kind; None on the eager engine or after reset."""
     replay_order_check: bool
@@ -350,6 +353,7 @@ class _Collector:
             + [f"grad_output[{k}]" for k in sorted(g.chained_grad_outputs)],
             lent_param_grads=int(g.lent_param_grads),
             separated_inputs=[f"input[{j}]" for j in sorted(g.separated_inputs)],
+            shared_inputs=[f"input[{j}]" for j in sorted(g.shared_inputs)],
             graph_nodes=nodes,
             replay_order_check=bool(_core.replay_order_check(pid)),
             captures=[c for c in build.captures if c.pass_id == pid] if build is not None else [],
@@ -533,12 +537,14 @@ def _format(r: MemoryReport) -> str:
     lent = sum(p.lent_param_grads for p in r.passes)
     chained = sum(len(p.chained_slots) for p in r.passes)
     separated = sum(len(p.separated_inputs) for p in r.passes)
+    shared = sum(len(p.shared_inputs) for p in r.passes)
     out.append(
         f"static buffers: {fmt_bytes(t.static_bytes)} (inputs, outputs, grad buffers; parameters not included), "
         f"{fmt_bytes(t.pool_planned_bytes)} of it pool-planned (not owned); sharing saves {fmt_bytes(t.shared_bytes)}"
         + (f"; {chained} chained slot(s)" if chained else "")
         + (f"; {lent} parameter grad(s) lent to .grad" if lent else "")
         + (f"; {separated} input(s) separated (a clone of a sample that shares memory)" if separated else "")
+        + (f"; {shared} input(s) read by other passes too (copy-ins guarded)" if shared else "")
     )
     out.append("pools:")
     for pool in r.pools:

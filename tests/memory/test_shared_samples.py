@@ -20,7 +20,7 @@ import torch
 
 import gograph
 
-from helpers import params_equal
+from helpers import Masked, params_equal
 
 FEATURES = 8
 
@@ -192,16 +192,6 @@ def test_a_schedule_shares_samples_whose_passes_do_not_overlap(order: list[int],
     assert torch.equal(layer.fc.weight.grad, ref.fc.weight.grad) and torch.equal(layer.fc.bias.grad, ref.fc.bias.grad)
     for g in graphs:
         g.reset()
-
-
-class Masked(torch.nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.fc = torch.nn.Linear(FEATURES, FEATURES)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x)) * mask
 
 
 def test_a_mask_shared_by_every_layer_stays_one_buffer() -> None:

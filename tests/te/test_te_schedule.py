@@ -711,12 +711,13 @@ def test_encode_order() -> None:
     assert _plan.encode_layers([1, 2]) == "1,2"
 
 
-@pytest.mark.parametrize("debug", [False, True], ids=["autograd", "debug-guard"])
+@pytest.mark.parametrize("debug", [False, True], ids=["shared-input-guard", "debug-guard"])
 def test_eager_engine_catches_replays_outside_the_schedule(debug: bool) -> None:
     # Buffer reuse is only valid for replays in schedule order: two passes that share an input
-    # slot, run overlapping, make the eager engine's autograd refuse the stale backward (a graph
-    # would silently read the overwritten buffer); in debug mode the replay-order guard refuses
-    # the second forward before it overwrites anything.
+    # slot, run overlapping, would have the second forward overwrite the slot the first one's
+    # backward still reads (a graph would silently compute from it). The shared-input guard
+    # refuses that copy-in, naming both callables; in debug mode the replay-order guard refuses
+    # the second forward before that.
     mods = (Block(FEATURES, 0), Block(FEATURES, 1))
     graphed = gograph.make_graphed_callables(
         mods,
@@ -730,14 +731,17 @@ def test_eager_engine_catches_replays_outside_the_schedule(debug: bool) -> None:
     for p, g in enumerate(graphed):
         by_ptr.setdefault(g.static_input_surface[0].data_ptr(), []).append(p)
     a, b = next(v for v in by_ptr.values() if len(v) > 1)[:2]
+    assert 0 in graphed[a].shared_inputs and 0 in graphed[b].shared_inputs
     out_a = graphed[a](torch.randn(ROWS, FEATURES, requires_grad=True))
+    before = graphed[a].static_input_surface[0].clone()
     if debug:
         with pytest.raises(RuntimeError, match="replay order: refusing to replay the forward"):
             graphed[b](torch.randn(ROWS, FEATURES, requires_grad=True))
     else:
-        graphed[b](torch.randn(ROWS, FEATURES, requires_grad=True))
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            out_a.sum().backward()
+        with pytest.raises(gograph.SharedInputError, match=rf"callable {b} .*callable {a} .*backward has not run"):
+            graphed[b](torch.randn(ROWS, FEATURES, requires_grad=True))
+    assert torch.equal(graphed[a].static_input_surface[0], before)  # nothing written
+    out_a.sum().backward()  # the first forward's backward still computes from its input
     for g in graphed:
         g.reset()
 
