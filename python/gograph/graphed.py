@@ -100,33 +100,30 @@ class Shared:
 # Lent parameter grads
 # ---------------------------------------------------------------------------------------------
 class _Lent:
-    __slots__ = ("baseline", "data_ptr", "handed", "label", "param", "pass_id", "seq", "storage")
+    """One lent buffer: the backward (capture sequence ``seq``) that lent it and the tensor
+    object it returned (AccumulateGrad makes it ``.grad``, ``torch.autograd.grad`` returns it to
+    the caller; either way every holder of it can be redirected at copy-out)."""
 
-    def __init__(
-        self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, handed: Tensor, label: str
-    ) -> None:
-        self.seq, self.pass_id, self.label = seq, pass_id, label
-        self.param = weakref.ref(param)
-        # The tensor object the backward returned: AccumulateGrad makes it .grad, autograd.grad
-        # returns it to the caller; either way every holder of it can be redirected at copy-out.
+    __slots__ = ("handed", "pass_id", "seq", "slot")
+
+    def __init__(self, seq: int, pass_id: int, slot: _GradSlot, handed: Tensor) -> None:
+        self.seq, self.pass_id, self.slot = seq, pass_id, slot
         self.handed = weakref.ref(handed)
-        assert slot.storage is not None  # lent slots have one
-        self.storage: torch.UntypedStorage = slot.storage
-        self.baseline = slot.baseline
-        self.data_ptr = slot.static.data_ptr()
 
 
 class _GradSlot:
     """A parameter grad returned as an owned tensor: its surface index, parameter, policy and
-    static buffer; for a lent one, the buffer's storage and how many references gograph itself
-    holds on it (counted when the build ended: anything beyond is a holder of the lent grad)."""
+    static buffer; for a lent one, the buffer's storage and address and how many references
+    gograph itself holds on it (counted when the build ended: anything beyond is a holder of the
+    lent grad), and what to call it in messages. All fixed at build: lending is per backward."""
 
-    __slots__ = ("baseline", "index", "param", "policy", "static", "storage")
+    __slots__ = ("baseline", "data_ptr", "index", "label", "param", "policy", "static", "storage")
 
-    def __init__(self, index: int, param: torch.nn.Parameter, policy: str, static: Tensor) -> None:
-        self.index, self.param, self.policy, self.static = index, param, policy, static
+    def __init__(self, index: int, param: torch.nn.Parameter, policy: str, static: Tensor, label: str) -> None:
+        self.index, self.param, self.policy, self.static, self.label = index, param, policy, static, label
         self.storage: torch.UntypedStorage | None = static.untyped_storage() if policy == _plan.GRAD_LEND else None
         self.baseline = _torch.storage_use_count(self.storage) if self.storage is not None else 0
+        self.data_ptr = static.data_ptr()
 
 
 class LentGrads:
@@ -142,20 +139,23 @@ class LentGrads:
     RuntimeError instead of letting the replay change it. In the usual loop (step, then
     ``zero_grad(set_to_none=True)``) nothing holds it and nothing is copied."""
 
-    __slots__ = ("entries", "lock")
+    __slots__ = ("entries", "lock", "newest")
 
     def __init__(self) -> None:
         self.entries: list[_Lent] = []
+        self.newest = 0  # the largest seq among entries: a replay captured after it overwrites none
         self.lock = threading.Lock()  # a reset on one thread may race a replay on another
 
-    def lend(
-        self, seq: int, pass_id: int, param: torch.nn.Parameter, slot: _GradSlot, handed: Tensor, label: str
-    ) -> None:
+    def lend(self, seq: int, pass_id: int, lent: Sequence[tuple[_GradSlot, Tensor]]) -> None:
+        """Records the buffers one backward (capture ``seq``) lent: (slot, the tensor it returned)."""
         with self.lock:
-            self.entries.append(_Lent(seq, pass_id, param, slot, handed, label))
+            self.entries.extend(_Lent(seq, pass_id, slot, handed) for slot, handed in lent)
+            self.newest = max(self.newest, seq)
 
     def sweep(self, seq: int) -> None:
         """Before replaying a graph captured as ``seq``: copy out what it could overwrite."""
+        if self.newest < seq:
+            return  # every lending backward was captured before that graph (the backwards' order)
         with self.lock:
             keep = []
             for e in self.entries:
@@ -164,6 +164,7 @@ class LentGrads:
                 else:
                     _copy_out(e)
             self.entries = keep
+            self.newest = max((e.seq for e in keep), default=0)
 
     def drop_pass(self, pass_id: int) -> None:
         """A pass is being reset: its lent buffers are copied out now (if held). A holder that
@@ -172,29 +173,32 @@ class LentGrads:
         with self.lock:
             mine = [e for e in self.entries if e.pass_id == pass_id]
             self.entries = [e for e in self.entries if e.pass_id != pass_id]
+            self.newest = max((e.seq for e in self.entries), default=0)
             for e in mine:
                 _copy_out(e, at_reset=True)
 
 
 def _copy_out(e: _Lent, at_reset: bool = False) -> None:
-    if _torch.storage_use_count(e.storage) <= e.baseline:
+    slot = e.slot
+    storage = slot.storage
+    assert storage is not None  # lent slots have one
+    if _torch.storage_use_count(storage) <= slot.baseline:
         return  # nothing but gograph holds it
-    param = e.param()
-    for t in (param.grad if param is not None else None, e.handed()):
-        if t is not None and t.data_ptr() == e.data_ptr and t.untyped_storage().data_ptr() == e.storage.data_ptr():
+    for t in (slot.param.grad, e.handed()):
+        if t is not None and t.data_ptr() == slot.data_ptr and t.untyped_storage().data_ptr() == storage.data_ptr():
             with torch.no_grad():
                 t.data = t.clone()  # every holder of this tensor object sees the owned copy
-    if _torch.storage_use_count(e.storage) > e.baseline:
+    if _torch.storage_use_count(storage) > slot.baseline:
         if at_reset:
             log.warning(
                 "gograph: reset while a tensor sharing the gradient buffer %s is still alive (a view of an "
                 "old .grad, or a backward of this callable running on another thread): it keeps the last "
                 "backward's values",
-                e.label,
+                slot.label,
             )
             return
         raise RuntimeError(
-            f"gograph: a tensor that shares the gradient buffer {e.label} lent to .grad by an earlier backward is "
+            f"gograph: a tensor that shares the gradient buffer {slot.label} lent to .grad by an earlier backward is "
             "still alive (not that .grad itself, which was copied out), and this replay would overwrite it: "
             "graphed backwards of the default schedule lend their static parameter-gradient buffers to .grad. "
             "Clone a gradient you keep past the next forward (g = p.grad.clone()) instead of a view of it"
@@ -304,7 +308,13 @@ class GraphedCallable:
         grads consumed by a fused wgrad path) are never cloned."""
         n = self.len_user_args
         self._param_grad_slots: tuple[_GradSlot, ...] = tuple(
-            _GradSlot(n + k, p, result.grad_policy[n + k], self.static_grad_inputs[n + k])  # type: ignore[arg-type]
+            _GradSlot(
+                n + k,
+                p,
+                result.grad_policy[n + k],
+                self.static_grad_inputs[n + k],  # type: ignore[arg-type]
+                f"of graphed callable {self.index} ({self.label}), parameter {k}",
+            )
             for k, p in enumerate(result.params)
             if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None
         )
@@ -542,21 +552,19 @@ class GraphedCallable:
         once-differentiable wrapper keeps aliases of it that nobody can redirect) the buffer
         itself with the lent-grad registry watching it. When ``.grad`` exists AccumulateGrad
         only adds into it, so nothing is cloned."""
+        lent: list[tuple[_GradSlot, Tensor]] = []
+        can_lend = lend and self._lent is not None and not self._released
         for slot in self._param_grad_slots:
-            i, param = slot.index, slot.param
-            if out[i] is None or param.grad is not None:
+            i = slot.index
+            g = out[i]
+            if g is None or slot.param.grad is not None:
                 continue
-            if lend and slot.policy == _plan.GRAD_LEND and self._lent is not None and not self._released:
-                self._lent.lend(
-                    self._bwd_seq,
-                    self.pass_id,
-                    param,
-                    slot,
-                    out[i],  # type: ignore[arg-type]
-                    f"of graphed callable {self.index} ({self.label}), parameter {i - self.len_user_args}",
-                )
+            if can_lend and slot.policy == _plan.GRAD_LEND:
+                lent.append((slot, g))
             else:
-                out[i] = out[i].clone()  # type: ignore[union-attr]
+                out[i] = g.clone()
+        if lent:
+            self._lent.lend(self._bwd_seq, self.pass_id, lent)  # type: ignore[union-attr]
 
     def backward_dw(self) -> None:
         """Replays this pass's delayed weight-gradient graph (TransformerEngine's ``backward_dw``):
