@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 
 import torch
@@ -48,6 +49,18 @@ def train(model, data, targets, device, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def time_rounds(models: dict, data, targets, device, steps: int, rounds: int = 5) -> dict:
+    """Trains every model ``steps`` steps in ``rounds`` alternating rounds (each model the same
+    batches in the same order, so their parameters stay comparable); the median seconds per
+    step of each, from rounds run side by side (one noisy moment hits every arm alike)."""
+    per_round = max(1, steps // rounds)
+    seen: dict = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            seen[name].append(train(model, data, targets, device, per_round))
+    return {name: statistics.median(ts) for name, ts in seen.items()}
+
+
 def allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
@@ -78,9 +91,8 @@ def main() -> None:
     sample = (torch.randn(args.batch, args.width, device=device),)
 
     eager = make_model(args.width, args.depth, device)
-    eager_t = train(eager, data, targets, device, args.steps)
-
-    results = {}
+    models = {"eager": eager}
+    retained = {}
     makers = [("gograph", gograph.make_graphed_callables)]
     if use_cuda:
         makers.append(("torch.cuda", torch.cuda.make_graphed_callables))
@@ -89,19 +101,22 @@ def main() -> None:
         sync(device)
         gc.collect()
         before = allocated(device)
-        graphed = make(model, sample)
+        models[name] = make(model, sample)
         sync(device)
-        retained = allocated(device) - before
-        step = train(graphed, data, targets, device, args.steps)
-        same = all(torch.equal(a, b) for a, b in zip(eager.parameters(), graphed.parameters()))
-        results[name] = (step, retained, same)
-        if name == "gograph":
-            graphed.reset()
-        del graphed, model
-        gc.collect()
+        retained[name] = allocated(device) - before
+    times = time_rounds(models, data, targets, device, args.steps)
+    eager_t = times["eager"]
+    results = {}
+    for name in retained:
+        same = all(torch.equal(a, b) for a, b in zip(eager.parameters(), models[name].parameters()))
+        results[name] = (times[name], retained[name], same)
+    models["gograph"].reset()
+    del models
+    gc.collect()
 
     print(
-        f"model: {args.depth} x (Linear({args.width},{args.width}) + ReLU), batch {args.batch}, {args.steps} SGD steps"
+        f"model: {args.depth} x (Linear({args.width},{args.width}) + ReLU), batch {args.batch}, "
+        f"{args.steps} timed SGD steps in alternating rounds (median per step)"
     )
     if not use_cuda:  # timings on the eager engine are noise: say what was checked instead
         _, _, same = results["gograph"]
