@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ._regions import overlapping
 
-__all__ = ["SharedInput", "SharedInputError", "shared_inputs"]
+__all__ = ["SharedInput", "SharedInputError", "shared_inputs", "version_of"]
 
 log = logging.getLogger("gograph")
 
@@ -60,7 +60,7 @@ class SharedInput:
         nothing to do when it holds them already (the tensor copied in last, neither changed
         since); a copy when no other sharer's backward waits; else a comparison, and
         SharedInputError (before anything is written) when the contents differ."""
-        src, version, buffer_version = self.source, _version(new), _version(static)
+        src, version, buffer_version = self.source, version_of(new), version_of(static)
         if (
             src is not None
             and src() is new
@@ -74,7 +74,7 @@ class SharedInput:
             self._check_same(pass_id, leaf, waiter, static, new)  # equal: no copy needed
         else:
             static.copy_(new)
-            buffer_version = _version(static)
+            buffer_version = version_of(static)
         self.source, self.version, self.buffer_version = weakref.ref(new), version, buffer_version
 
     def forward_ran(self, pass_id: int, node: Any) -> None:
@@ -111,8 +111,9 @@ class SharedInput:
         )
 
 
-def _version(t: Tensor) -> int | None:
-    """The version counter (None for an inference tensor: it has none, so it never matches)."""
+def version_of(t: Tensor) -> int | None:
+    """The version counter (None for an inference tensor: it has none, so it never matches; a
+    forward that changes an input's writes it in place)."""
     return None if t.is_inference() else t._version
 
 

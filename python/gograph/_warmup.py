@@ -20,6 +20,7 @@ from torch import Tensor
 from . import _plan, _te
 from ._bodies import autograd_grad
 from ._reuse import tensor_signature
+from ._shared_inputs import version_of
 from ._state import PassState
 
 __all__ = ["check_outputs", "run_warmup"]
@@ -37,12 +38,6 @@ def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device
                 f"are captured on {device}: a CUDA graph can only produce tensors on its device. Keep outputs on "
                 "the device and move them after the call"
             )
-
-
-def versions(tensors: Sequence[Tensor]) -> list[int | None]:
-    """Each tensor's version counter (None for an inference tensor, which has none): a forward
-    that changes one writes that input in place."""
-    return [None if t.is_inference() else t._version for t in tensors]
 
 
 class WarmupObserver(Protocol):
@@ -127,10 +122,12 @@ def warm_forward(st: PassState, func: Any, hooks: _te.CaptureTimeHooks, device: 
             else contextlib.nullcontext()
         ),
     ):
-        before = None if st.warmed else versions(st.flat_args)
+        before = None if st.warmed else [version_of(t) for t in st.flat_args]
         outputs = st.body(*st.sample_args, **st.sample_kwargs)
     if before is not None:
-        st.mutated_inputs = frozenset(j for j, (v, w) in enumerate(zip(before, versions(st.flat_args))) if v != w)
+        st.mutated_inputs = frozenset(
+            j for j, (v, w) in enumerate(zip(before, [version_of(t) for t in st.flat_args])) if v != w
+        )
         check_outputs(st, outputs, device)
         st.output_meta = tuple((tensor_signature(o), bool(o.requires_grad)) for o in outputs)
         st.warmed = True
