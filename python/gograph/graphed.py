@@ -655,6 +655,8 @@ class GraphedCallable:
             if self.shared.lent is not None:
                 self.shared.lent.drop_pass(self.pass_id)
             WATCH.forget(self.pass_id)
+            for guard in self._shared_guards:  # its backward can no longer run: it waits for nothing
+                guard.waiting.pop(self.pass_id, None)
             self.engine.synchronize()
             self.engine.release(self.pass_id, self.pool)
         finally:

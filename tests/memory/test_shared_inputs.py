@@ -160,3 +160,10 @@ def test_memory_report_lists_the_guarded_inputs() -> None:
     assert [p.shared_inputs for p in report.passes] == [["input[1]"]] * 3
     assert [p.separated_inputs for p in report.passes] == [[], ["input[0]"], ["input[0]"]]
     assert "3 input(s) read by other passes too (copy-ins guarded)" in str(report)
+
+
+def test_a_reset_callable_no_longer_waits() -> None:
+    graphed, _ = _masked()
+    h = graphed[0](torch.randn(ROWS, FEATURES, requires_grad=True), _mask(18))
+    graphed[0].forward.reset()  # its backward can no longer run
+    graphed[1](h.detach().requires_grad_(), _mask(19))  # other contents: nothing waits for the buffer
