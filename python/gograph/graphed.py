@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _core, _plan, _torch
 from ._bodies import flat_tuple_spec
+from ._grad_pack import owned_copies
 from ._handouts import WATCH
 from ._shared_inputs import SharedInput
 from .engines import BACKWARD, CAPTURE_STATE, FORWARD, WGRAD, CudaEngine, Engine
@@ -548,11 +549,13 @@ class GraphedCallable:
     def _own_param_grads(self, out: list[Tensor | None], lend: bool) -> None:
         """A parameter grad must not silently *become* a static buffer (pytorch#181723): when
         ``.grad`` is None, AccumulateGrad steals the incoming tensor as ``.grad``. It gets an
-        owned clone, or (policy lend, unless ``lend`` is False: a create_graph backward, whose
-        once-differentiable wrapper keeps aliases of it that nobody can redirect) the buffer
-        itself with the lent-grad registry watching it. When ``.grad`` exists AccumulateGrad
+        owned copy (one backward's copies share one allocation: :mod:`gograph._grad_pack`), or
+        (policy lend, unless ``lend`` is False: a create_graph backward, whose once-differentiable
+        wrapper keeps aliases of it that nobody can redirect) the buffer itself with the
+        lent-grad registry watching it. When ``.grad`` exists AccumulateGrad
         only adds into it, so nothing is cloned."""
         lent: list[tuple[_GradSlot, Tensor]] = []
+        copied: list[int] = []
         can_lend = lend and self._lent is not None and not self._released
         for slot in self._param_grad_slots:
             i = slot.index
@@ -562,7 +565,10 @@ class GraphedCallable:
             if can_lend and slot.policy == _plan.GRAD_LEND:
                 lent.append((slot, g))
             else:
-                out[i] = g.clone()
+                copied.append(i)
+        if copied:  # one allocation for all of them (_grad_pack: the default pool's packing)
+            for i, c in zip(copied, owned_copies([out[i] for i in copied])):  # type: ignore[misc]
+                out[i] = c
         if lent:
             self._lent.lend(self._bwd_seq, self.pass_id, lent)  # type: ignore[union-attr]
 

@@ -134,7 +134,8 @@ def make_graphed_callables(
         clone_param_grads_on_return: never let a static grad buffer become a parameter's ``.grad``
             that a later replay overwrites (default): when ``.grad`` is None, on the default
             schedule the buffer is lent (``.grad`` is the buffer, copied out before a replay would
-            overwrite it while anything holds it; a kept view raises), else an owned clone; an
+            overwrite it while anything holds it; a kept view raises), else an owned copy (one
+            backward's copies share one allocation, freed with the last of them); an
             in-place add when ``.grad`` exists. Parameters with ``skip_backward_post_hook=True`` are
             never cloned. False: torch's aliasing (pytorch#181723).
         capture_error_mode: ``"global"`` (default), ``"thread_local"`` or ``"relaxed"``, as for
