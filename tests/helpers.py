@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -58,3 +59,23 @@ class Masked(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.fc(x)) * mask
+
+
+class ChainLayer(torch.nn.Module):
+    """``dropout(act(fc(x)))`` of width ``features``: one layer of the chained-layer tests."""
+
+    def __init__(
+        self,
+        seed: int,
+        features: int,
+        dropout: float = 0.0,
+        act: Callable[[torch.Tensor], torch.Tensor] = torch.tanh,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = torch.nn.Linear(features, features)
+        self.drop = torch.nn.Dropout(dropout)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.act(self.fc(x)))

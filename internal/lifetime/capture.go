@@ -33,13 +33,16 @@ func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 	}
 	separate(facts, prog, at)
 	bufs := planBuffers(p, facts, prog, at, opt)
-	if opt.Reuse {
-		prog.Slots = assignSlots(bufs, prog.Sigs)
-		for _, b := range bufs {
-			if b.role.Slotted() {
-				slotSource(prog, b)
-			}
+	prog.Slots = assignSlots(bufs, prog.Sigs)
+	if !opt.Reuse {
+		prog.Slots = keepShared(bufs, prog.Sigs)
+	}
+	for _, b := range bufs {
+		if b.role.Slotted() && b.slot >= 0 {
+			slotSource(prog, b)
 		}
+	}
+	if opt.Reuse {
 		compareTE(p, bufs, facts, prog.Sigs)
 	}
 	gradPolicies(p, facts, prog, at, opt)
@@ -238,7 +241,7 @@ func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt O
 			}
 		}
 		for k, o := range f.Outputs {
-			if opt.Reuse && prog.GradOutputs[pass][k].Kind == Own {
+			if (opt.Reuse || internalGradOutput(f)) && prog.GradOutputs[pass][k].Kind == Own {
 				b := &buffer{role: GradOutput, pass: pass, index: k, sig: o.Sig, slot: -1, release: -1}
 				b.span(bw, w)
 				bufs = append(bufs, b)
@@ -252,6 +255,17 @@ func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt O
 	}
 	return bufs
 }
+
+// internalGradOutput reports whether a pass's own grad-output buffers are
+// read by nothing but its backward replay, so that passes whose backward
+// steps differ share them (one slot per signature and backward step)
+// without Reuse: every backward replay copies its incoming grad in first and
+// its graph reads nothing else there, the buffers are gograph's alone (torch
+// and TransformerEngine never hand them out), and replays on one stream or
+// ordered by the core (Python orders the stream before the copy-in) cannot
+// overlap. A delayed weight-gradient graph also reads them, whenever the
+// caller runs backward_dw(), so those keep their own.
+func internalGradOutput(f Facts) bool { return f.Backward && !f.WGrad }
 
 // chainedReaders gives, per producer pass and output, the consumer passes
 // that read it in place.

@@ -29,7 +29,9 @@
 // pass). With Options.Reuse, buffers of one signature whose lifetimes do not
 // overlap share a slot, assigned greedily in order of first use (optimal
 // for intervals: a signature needs as many slots as it has buffers live at
-// once).
+// once). Without it, grad outputs are still shared that way where only
+// their own backward reads them (internalGradOutput): that is gograph's
+// business alone, and a slot one buffer would have to itself stays its own.
 //
 // Pool buffers are allocated by the graphs in their memory pool: outputs,
 // grads of user inputs and parameter grads. With Options.Release each gets

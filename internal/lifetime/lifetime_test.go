@@ -195,8 +195,70 @@ func TestChainSources(t *testing.T) {
 	facts[1].Inputs[0].RequiresGrad = false
 	facts[2].Inputs[0].Sig = 7
 	prog = mustCapture(t, p, facts, Options{Chain: true})
-	if prog.Inputs[1][0].Kind != Own || prog.Inputs[2][0].Kind != Own || prog.GradOutputs[0][0].Kind != Own {
+	// (The unchained grad outputs share one slot: their backward steps differ.)
+	if prog.Inputs[1][0].Kind != Own || prog.Inputs[2][0].Kind != Own || prog.GradOutputs[0][0].Kind == Chained {
 		t.Errorf("mismatched edges chained: %+v / %+v", prog.Inputs, prog.GradOutputs)
+	}
+}
+
+// TestGradOutputsShareWithoutReuse: without Reuse the grad-output buffers
+// only a pass's backward reads share one slot per signature across backward
+// steps; a slot one buffer would have alone stays that pass's own, and a
+// pass with a delayed weight-gradient graph keeps its own.
+func TestGradOutputsShareWithoutReuse(t *testing.T) {
+	slot := func(n int) Source { return Source{Kind: Slot, Slot: n} }
+	own, chained := Source{Kind: Own}, func(q int) Source { return Source{Kind: Chained, Pass: q} }
+	three := defaultPlan(t, 3, true)
+	twoOutputs := layer(three)
+	for i := range twoOutputs {
+		twoOutputs[i].Outputs = []OutputLeaf{{Sig: 0, RequiresGrad: true}, {Sig: 0, RequiresGrad: true}}
+	}
+	wgrad := layer(three)
+	wgrad[1].WGrad = true
+	mixed := layer(three)
+	mixed[2].Outputs[0].Sig = 4
+	pipe := plan(t, []float64{1, 2, -2, -1, 1, 2, -2, -1}, "", 2, 4)
+	cases := []struct {
+		name  string
+		p     *schedule.Plan
+		facts []Facts
+		opt   Options
+		want  [][]Source
+		slots int
+	}{
+		{"default schedule: one slot for three backwards", three, layer(three), Options{}, [][]Source{{slot(0)}, {slot(0)}, {slot(0)}}, 1},
+		{"the same with a device pool", three, layer(three), Options{Release: true}, [][]Source{{slot(0)}, {slot(0)}, {slot(0)}}, 1},
+		{"two outputs of one signature: two slots", three, twoOutputs, Options{},
+			[][]Source{{slot(0), slot(1)}, {slot(0), slot(1)}, {slot(0), slot(1)}}, 2},
+		{"a delayed weight gradient reads its own", three, wgrad, Options{}, [][]Source{{slot(0)}, {own}, {slot(0)}}, 1},
+		{"a signature no other pass has stays own", three, mixed, Options{}, [][]Source{{slot(0)}, {slot(0)}, {own}}, 1},
+		{"one callable: its own", defaultPlan(t, 1, true), layer(defaultPlan(t, 1, true)), Options{}, [][]Source{{own}}, 0},
+		{"chained: only the last layer has a grad-output buffer", three, layer(three, 0), Options{Chain: true, Release: true},
+			[][]Source{{chained(1)}, {chained(2)}, {own}}, 0},
+		{"an _order without reuse shares across microbatches", pipe, layer(pipe), Options{Release: true},
+			[][]Source{{slot(0)}, {slot(0)}, {slot(0)}, {slot(0)}}, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			prog := mustCapture(t, c.p, c.facts, c.opt)
+			for pass, row := range c.want {
+				for k, w := range row {
+					if got := prog.GradOutputs[pass][k]; got != w {
+						t.Errorf("grad output %d of pass %d = %+v, want %+v", k, pass, got, w)
+					}
+				}
+			}
+			if prog.Slots != c.slots {
+				t.Errorf("%d slots, want %d", prog.Slots, c.slots)
+			}
+			for pass := range c.facts {
+				for j, src := range prog.Inputs[pass] {
+					if src.Kind == Slot {
+						t.Errorf("input %d of pass %d got a slot without Reuse", j, pass)
+					}
+				}
+			}
+		})
 	}
 }
 

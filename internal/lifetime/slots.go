@@ -122,6 +122,50 @@ func assignSlots(bufs []*buffer, sigs map[int]*SigStats) int {
 	return slots
 }
 
+// keepShared undoes the slots that only one buffer took (without Reuse a
+// buffer is shared only where that saves one: the rest stay the pass's own),
+// numbers the others from 0 in order and recounts sigs; it returns the slot
+// count. Greedy colouring leaves the slots it keeps exactly as many, per
+// signature, as the most buffers of it live at once among those sharing.
+func keepShared(bufs []*buffer, sigs map[int]*SigStats) int {
+	users := map[int]int{}
+	for _, b := range bufs {
+		if b.role.Slotted() {
+			users[b.slot]++
+		}
+	}
+	renumber := map[int]int{}
+	perSig := map[int]map[int]bool{}
+	for _, b := range bufs {
+		if !b.role.Slotted() {
+			continue
+		}
+		if users[b.slot] < 2 {
+			b.slot = -1
+			continue
+		}
+		n, ok := renumber[b.slot]
+		if !ok {
+			n = len(renumber)
+			renumber[b.slot] = n
+		}
+		b.slot = n
+		if perSig[b.sig] == nil {
+			perSig[b.sig] = map[int]bool{}
+		}
+		perSig[b.sig][n] = true
+	}
+	clear(sigs)
+	for _, b := range bufs {
+		if b.role.Slotted() && b.slot >= 0 {
+			st := sigOf(sigs, b.sig)
+			st.Buffers++
+			st.Slots = len(perSig[b.sig])
+		}
+	}
+	return len(renumber)
+}
+
 func sigOf(sigs map[int]*SigStats, s int) *SigStats {
 	st := sigs[s]
 	if st == nil {

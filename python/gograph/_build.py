@@ -279,4 +279,7 @@ def _result(st: PassState, program: _plan.CaptureProgram, shared_leaves: dict[in
         grad_policy=policy,
         seq=(st.seq[0], st.seq[1]),
         shared_inputs=shared_leaves,
+        shared_grad_outputs=frozenset(
+            k for (q, k), src in program.grad_outputs.items() if q == st.index and src.kind == _plan.SLOT
+        ),
     )

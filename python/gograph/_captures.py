@@ -155,7 +155,7 @@ def _grad_output_buffer(
             st.chained_grad_outputs.add(k)
             return buf
     if src is not None and src.kind == _plan.SLOT:
-        slot = slots[src.slot]
+        slot = _reuse.grad_output_slot(slots, src.slot, st, k)
         if _reuse.tensor_signature(slot) == _reuse.tensor_signature(o):
             return slot.detach() if slot.requires_grad else slot
     return torch.empty_like(o) if build.device is not None else torch.zeros_like(o)

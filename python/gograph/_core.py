@@ -2,8 +2,9 @@
 loaded (``_core_cuda`` or ``_core_cpu``), re-exported here so that every call site is
 ``_core.name(...)`` and a type checker sees ``_core.pyi``. docs/CORE_API.md is the contract.
 
-``raw_replay`` is the extension's C entry point of ``replay`` (gopy's generated Python wrapper
-adds a Python-level call per replay), used on the replay hot path.
+``raw_replay`` and ``raw_order_replay`` are the extension's C entry points of ``replay`` and
+``order_replay`` (gopy's generated Python wrapper adds a Python-level call each), used on the
+replay hot path.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def _bind(module: Any) -> None:
         globals()[name] = getattr(module, name)
     ext = getattr(module, "_gographcore", None)
     globals()["raw_replay"] = getattr(ext, "gograph_Replay", None) or module.replay
+    globals()["raw_order_replay"] = getattr(ext, "gograph_OrderReplay", None) or module.order_replay
 
 
 raw_replay: Callable[[int, int, int], bool]
+raw_order_replay: Callable[[int, int, int], bool]
 _bind(_native.core)

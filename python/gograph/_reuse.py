@@ -29,6 +29,7 @@ __all__ = [
     "BufferReuse",
     "Signatures",
     "facts_text",
+    "grad_output_slot",
     "release",
     "replace_leaves",
     "signature_text",
@@ -129,17 +130,25 @@ def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads:
 
 
 def slot_tensors(states: Sequence[PassState], program: _plan.CaptureProgram) -> dict[int, Tensor]:
-    """One tensor per slot: the sample tensor of the first pass whose input uses it, or, for a slot
-    only grad outputs use, a new zeroed tensor of their signature."""
+    """The slots inputs use: the sample tensor of the first pass whose input uses it. A slot only
+    grad outputs use is made when the first backward using it is captured
+    (:func:`grad_output_slot`)."""
     backing: dict[int, Tensor] = {}
     for (p, j), src in sorted(program.inputs.items()):
         if src.kind == _plan.SLOT and src.slot not in backing:
             backing[src.slot] = states[p].flat_args[j]
-    for (p, k), src in sorted(program.grad_outputs.items()):
-        if src.kind == _plan.SLOT and src.slot not in backing:
-            shape, stride, dtype, device = states[p].output_meta[k][0]
-            backing[src.slot] = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
     return backing
+
+
+def grad_output_slot(slots: dict[int, Tensor], slot: int, st: PassState, k: int) -> Tensor:
+    """Slot ``slot``, made now (zeros of output ``k``'s signature, outside any graph pool) if no
+    earlier capture made it: its bytes then count in the first backward capture that copies into
+    it, as a grad-output buffer of its own would."""
+    t = slots.get(slot)
+    if t is None:
+        shape, stride, dtype, device = st.output_meta[k][0]
+        t = slots[slot] = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    return t
 
 
 def replace_leaves(tree: Any, replacements: Mapping[int, Tensor]) -> Any:

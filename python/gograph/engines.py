@@ -150,6 +150,12 @@ class Engine(abc.ABC):
     def replay(self, pass_id: int, kind: int) -> None:
         """Replays graph ``kind`` of ``pass_id`` (RuntimeError from the core after a reset)."""
 
+    def order(self, pass_id: int, kind: int) -> None:  # noqa: B027 (optional: engines with streams)
+        """Orders the current stream after the previous replay of any graph the core orders with
+        graph ``kind`` of ``pass_id``, before work that writes a buffer such a replay may still
+        read (a grad-output buffer passes share). Nothing to order on one host thread without
+        device streams."""
+
     def release(self, pass_id: int, pool: Hashable) -> None:
         """Destroys the pass's graphs and returns, on the allocator, the pool references the
         core says its captures took; the record stays (``reset``) so a later replay reports the
@@ -403,6 +409,9 @@ class CudaEngine(Engine):
                 _core.order_replay(pass_id, kind, stream)
                 companion.replay()
         _core.raw_replay(pass_id, kind, stream)
+
+    def order(self, pass_id: int, kind: int) -> None:
+        _core.raw_order_replay(pass_id, kind, _torch.current_raw_stream(self.device_index))
 
     def _release_refs(self, pool: Hashable, refs: int) -> None:
         if refs <= 0:

@@ -82,6 +82,7 @@ class PassResult:
     grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
     seq: tuple[int, int] = (0, 0)  # capture sequence numbers of its forward and backward
     shared_inputs: dict[int, SharedInput] = field(default_factory=dict)  # leaf -> its shared buffer's guard
+    shared_grad_outputs: frozenset[int] = frozenset()  # outputs whose grad-output buffer other passes use too
 
 
 @dataclass(eq=False)
@@ -267,6 +268,10 @@ class GraphedCallable:
         self.chained_inputs, self.chained_grad_outputs = result.chained_inputs, result.chained_grad_outputs
         self.separated_inputs = result.separated_inputs
         self.released_outputs, self.released_grad_inputs = result.released_outputs, result.released_grad_inputs
+        self.shared_grad_outputs = result.shared_grad_outputs
+        # Another pass's backward reads the same grad-output buffer: its replay may still be running
+        # on another stream, so the stream is ordered after it before the copy-in (engine.order).
+        self._order_copy_in = shared.engine.order if result.shared_grad_outputs else None
         self._single_output = result.output_spec.is_leaf()
         self._nondiff_outputs = tuple(
             i for i, rg in enumerate(result.output_requires_grad) if not (rg and result.has_backward)
@@ -531,6 +536,8 @@ class GraphedCallable:
             raise AssertionError(f"len(grads)={len(grads)} != len(static_grad_outputs)={len(static_grad_outputs)}")
         if lent is not None and lent.entries:
             lent.sweep(self._bwd_seq)
+        if self._order_copy_in is not None:
+            self._order_copy_in(self.pass_id, BACKWARD)
         for static, grad in zip(static_grad_outputs, grads):
             # don't copy if the incoming grad is already in the right place (a chained grad output)
             if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():

@@ -12,24 +12,17 @@ import torch
 
 import gograph
 
-from helpers import params_equal
+from helpers import ChainLayer, params_equal
 
 FEATURES = 8
 
 
-class Layer(torch.nn.Module):
-    def __init__(self, seed: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.fc = torch.nn.Linear(FEATURES, FEATURES)
-        self.drop = torch.nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(torch.tanh(self.fc(x)))
+def make_layer(seed: int, dropout: float = 0.0) -> ChainLayer:
+    return ChainLayer(seed, FEATURES, dropout)
 
 
 def _layers(n: int = 3, dropout: float = 0.0) -> list[torch.nn.Module]:
-    return [Layer(i, dropout) for i in range(n)]
+    return [make_layer(i, dropout) for i in range(n)]
 
 
 def _graph(layers: Sequence[torch.nn.Module], **kwargs: Any) -> tuple[Any, ...]:
@@ -275,7 +268,7 @@ def _train_with_loss(calls: Sequence[Callable[..., Any]], mods: Sequence[torch.n
 def test_the_loss_in_the_last_graph_trains_like_eager(set_to_none: bool) -> None:
     """The target is the last callable's second sample arg (not chained: the previous layer has
     one output); the loss is what the last graph returns."""
-    mods = [*_layers(2, dropout=0.2), WithLoss(Layer(2, dropout=0.2))]
+    mods = [*_layers(2, dropout=0.2), WithLoss(make_layer(2, dropout=0.2))]
     ref = copy.deepcopy(mods)
     first = torch.randn(4, FEATURES)
     shared = first.detach().requires_grad_()  # the chained samples: a view of the first
