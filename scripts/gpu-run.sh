@@ -2,7 +2,7 @@
 # Runs on the GPU machine (the device tool), in a copy of this repo whose
 # python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
 # Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem] [capture]
-#                                [footprint] [recv] [floor] [steptime] [plan] [shared]
+#                                [footprint] [recv] [floor] [default] [steptime] [plan] [shared]
 #        (default: tests demo)
 # Logs go to $OUT (the device tool's return folder) when set.
 set -uo pipefail
@@ -42,11 +42,16 @@ for w in "${what[@]}"; do
            timeout 250 python3 bench/footprint.py --jobs 4 --workloads pipeline \
                  --arms eager,eager:copies=1,eager:copies=1+pools=1,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true \
                  --json "$out/footprint-floor-pipeline.json" 2>&1 | tee "$out/footprint-floor-pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    default) timeout 300 python3 bench/footprint.py --jobs 4 --workloads chain,blocks --arms eager,torch,gograph \
+                 --json "$out/footprint-default.json" 2>&1 | tee "$out/footprint-default.log"; rc=$(( rc | PIPESTATUS[0] ))
+             timeout 250 python3 bench/footprint.py --jobs 4 --workloads pipeline \
+                 --arms eager,gograph,gograph:_reuse_graph_input_output_buffers=true \
+                 --json "$out/footprint-default-pipeline.json" 2>&1 | tee "$out/footprint-default-pipeline.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     shared) timeout 120 python3 bench/shared_samples.py --json "$out/shared_samples.json" 2>&1 | tee "$out/shared_samples.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, steptime, plan, shared)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"
