@@ -146,3 +146,32 @@ def test_a_delayed_weight_gradient_keeps_its_own_buffer() -> None:
     assert all(params_equal(a, b) for a, b in zip(eager, mods))
     assert all(torch.equal(a.weight.grad, b.weight.grad) for a, b in zip(eager, mods))
     _reset(calls)
+
+
+class OrderingEngine(gograph.EagerEngine):
+    """The eager engine, noting each stream ordering a replay asks for before a copy-in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ordered: list[tuple[int, int]] = []
+
+    def order(self, pass_id: int, kind: int) -> None:
+        self.ordered.append((pass_id, kind))
+
+
+def test_a_shared_buffer_is_written_only_after_ordering_the_stream() -> None:
+    """Before copying into a buffer another pass's backward reads, a backward orders the stream
+    (on CUDA the core makes it wait for the previous replay on another stream); a pass with a
+    buffer of its own does not pay for it."""
+    engine = OrderingEngine()
+    calls = gograph.make_graphed_callables(tuple(make_layer(i) for i in range(2)), _samples(2), engine=engine)
+    _step(calls, torch.randn(4, FEATURES))
+    ids = [(c if isinstance(c, gograph.GraphedCallable) else c.forward).pass_id for c in calls]
+    assert engine.ordered == [(ids[1], 1), (ids[0], 1)]  # backwards in reverse order, kind 1
+    _reset(calls)
+    alone = OrderingEngine()
+    layer = make_layer(0)
+    gograph.make_graphed_callables(layer, (torch.randn(4, FEATURES, requires_grad=True),), engine=alone)
+    layer(torch.randn(4, FEATURES)).sum().backward()
+    assert alone.ordered == []
+    layer.reset()
