@@ -65,6 +65,15 @@ def where(frames: list[dict[str, Any]]) -> str:
     return f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
 
 
+def made_by(frames: list[dict[str, Any]]) -> str:
+    """where(), and the innermost gograph frame (warmup or capture) when that is not it."""
+    inner = where(frames)
+    ours = next((f for f in frames if "/gograph/" in f["filename"]), None)
+    if ours is None or os.path.basename(ours["filename"]) in inner:
+        return inner
+    return f"{inner} < {os.path.basename(ours['filename'])}:{ours['line']} {ours['name']}"
+
+
 def replay(trace: list[dict[str, Any]], start: int, stop: int, base: int) -> tuple[int, int]:
     """(index, reserved bytes) of the peak of reserved memory in trace[start:stop]."""
     reserved, best, at = 0, -1, start
@@ -99,14 +108,16 @@ def live_at(trace: list[dict[str, Any]], upto: int) -> tuple[dict[str, int], dic
     return groups, dict(seg_stream)
 
 
-def segments_at(trace: list[dict[str, Any]], upto: int) -> list[dict[str, int]]:
-    """The segments reserved after trace[:upto+1]: address, size, stream, live bytes in it."""
-    segs: dict[int, dict[str, int]] = {}
+def segments_at(trace: list[dict[str, Any]], upto: int) -> list[dict[str, Any]]:
+    """The segments reserved after trace[:upto+1]: address, size, stream, live bytes in it, the
+    trace entry that made it and where (the allocation that grew the pool)."""
+    segs: dict[int, dict[str, Any]] = {}
     live: dict[int, int] = {}
-    for e in trace[: upto + 1]:
+    for made, e in enumerate(trace[: upto + 1]):
         a = e["action"]
         if a in ("segment_alloc", "segment_map"):
-            segs[e["addr"]] = {"addr": e["addr"], "size": e["size"], "stream": e["stream"], "live": 0}
+            segs[e["addr"]] = {"addr": e["addr"], "size": e["size"], "stream": e["stream"], "live": 0,
+                               "made": made, "by": made_by(e.get("frames") or [])}  # fmt: skip
         elif a in ("segment_free", "segment_unmap"):
             segs.pop(e["addr"], None)
         elif a == "alloc":
@@ -121,12 +132,13 @@ def segments_at(trace: list[dict[str, Any]], upto: int) -> list[dict[str, int]]:
     return list(segs.values())
 
 
-def print_segments(segs: list[dict[str, int]], most: int) -> None:
+def print_segments(segs: list[dict[str, Any]], most: int) -> None:
     """Where the reserved-but-free bytes sit: the segments with the most free bytes."""
     for seg in sorted(segs, key=lambda g: g["live"] - g["size"])[:most]:
         print(
             f"   segment {seg['size'] / MiB:8.1f} MiB [stream {seg['stream']:#x}] "
-            f"live {seg['live'] / MiB:8.1f}, free {(seg['size'] - seg['live']) / MiB:8.1f}"
+            f"live {seg['live'] / MiB:8.1f}, free {(seg['size'] - seg['live']) / MiB:8.1f}, "
+            f"made at {seg['made']} by {seg['by']}"
         )
     free = sum(g["size"] - g["live"] for g in segs)
     print(f"   {len(segs)} segments, {free / MiB:.0f} MiB free in them")
@@ -195,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(None)
     init = marks["init"]
+    print(f"trace entries: after init {init}, build ended {marks.get('build', '-')}, {len(trace)} in all")
     base = replay(trace, init - 1, init, 0)[1] if init else 0
     print(f"{args.workload} {args.arm} {args.mode}: footprint peak {row['peak_reserved'] / MiB:.0f} MiB")
     out = []
