@@ -22,14 +22,24 @@ Q := $(if $(V),,@)
 
 .PHONY: venv build test test-go test-py test-pythons lint vet fuzz fuzz-short demo bench gpu-bundle sdist wheels clean
 
+# What the tests and the build need in every venv (the CUDA runtime package for cuda.h).
+TEST_DEPS := "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel "nvidia-cuda-runtime-cu12>=12.4,<13" \
+	"transformers==5.24.0; python_version >= '3.11'"
+# Set by `make test-pythons`: the venv gets the full venv's torch without another copy of its
+# CUDA libraries or triton (build_support/lean_venv.py; ~1.5 GB instead of ~5).
+LEAN_FROM ?=
+
 venv: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
-	$(Q)echo "setting up $(VENV): torch ($(TORCH_SPEC), ~2.7 GB with its CUDA libraries), build and check tools"
+	$(Q)echo "setting up $(VENV): $(if $(LEAN_FROM),torch linked to $(LEAN_FROM)'s CUDA libraries and test tools,torch ($(TORCH_SPEC), ~2.7 GB with its CUDA libraries), build and check tools)"
 	$(Q)$(PYTHON) -m venv $(VENV)
 	$(Q)$(PY) -m pip install -q --upgrade pip
-	$(Q)$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel \
-		"nvidia-cuda-runtime-cu12>=12.4,<13" "ruff==0.17.6" "mypy==2.4.1" \
-		"transformers==5.24.0; python_version >= '3.11'"
+ifeq ($(LEAN_FROM),)
+	$(Q)$(PY) -m pip install -q "$(TORCH_SPEC)" $(TEST_DEPS) "ruff==0.17.6" "mypy==2.4.1"
+else
+	$(Q)$(PY) -m pip install -q $(TEST_DEPS)
+	$(Q)$(PY) build_support/lean_venv.py --full-venv $(LEAN_FROM)
+endif
 	$(Q)touch $@
 
 # Builds both flavors in place (python/gograph/_core_cpu, _core_cuda) for the venv's CPython.
@@ -84,14 +94,15 @@ demo: build
 bench: build
 	PYTHONPATH=python $(PY) bench/run.py
 
-# pytest on every supported CPython (pyenv's, or python3.X on PATH), each in its own venv with
-# its own torch: `make test-pythons PYTHONS="3.10 3.13"` for a subset.
+# pytest on every supported CPython (pyenv's, or python3.X on PATH), each in its own venv
+# .venv-3.X with torch linked to .venv's CUDA libraries: `make test-pythons PYTHONS="3.10 3.13"`
+# for a subset.
 PYTHONS ?= 3.10 3.11 3.12 3.13
-test-pythons:
+test-pythons: venv
 	$(Q)for v in $(PYTHONS); do \
 	  py="$$(ls -d $(HOME)/.pyenv/versions/$$v.*/bin/python$$v 2>/dev/null | tail -1)"; py="$${py:-$$(command -v python$$v)}"; \
 	  test -n "$$py" || { echo "no CPython $$v found (pyenv install $$v, or put python$$v on PATH)"; exit 1; }; \
-	  echo "== CPython $$v ($$py)"; $(MAKE) --no-print-directory test-py PYTHON=$$py VENV=.venv-$$v || exit 1; \
+	  echo "== CPython $$v ($$py)"; $(MAKE) --no-print-directory test-py PYTHON=$$py VENV=.venv-$$v LEAN_FROM=$(VENV) || exit 1; \
 	done
 
 # Release artifacts. The sdist carries the Go sources (MANIFEST.in); each wheel is built from it
