@@ -31,7 +31,7 @@ LEAN_FROM ?=
 
 venv: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml
-	$(Q)echo "setting up $(VENV): $(if $(LEAN_FROM),torch linked to $(LEAN_FROM)'s CUDA libraries and test tools,torch ($(TORCH_SPEC), ~2.7 GB with its CUDA libraries), build and check tools)"
+	$(Q)echo "setting up $(VENV): $(if $(LEAN_FROM),torch linked to $(LEAN_FROM)'s CUDA libraries and test tools,torch ($(TORCH_SPEC), ~5 GB of disk with its CUDA libraries and triton), build and check tools)"
 	$(Q)$(PYTHON) -m venv $(VENV)
 	$(Q)$(PY) -m pip install -q --upgrade pip
 ifeq ($(LEAN_FROM),)
