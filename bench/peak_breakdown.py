@@ -67,11 +67,10 @@ def where(frames: list[dict[str, Any]]) -> str:
 
 def made_by(frames: list[dict[str, Any]]) -> str:
     """where(), and the innermost gograph frame (warmup or capture) when that is not it."""
-    inner = where(frames)
     ours = next((f for f in frames if "/gograph/" in f["filename"]), None)
-    if ours is None or os.path.basename(ours["filename"]) in inner:
-        return inner
-    return f"{inner} < {os.path.basename(ours['filename'])}:{ours['line']} {ours['name']}"
+    if ours is None or ours is frames[0]:
+        return where(frames)
+    return f"{where(frames)} < {where([ours])}"
 
 
 def replay(trace: list[dict[str, Any]], start: int, stop: int, base: int) -> tuple[int, int]:
