@@ -373,8 +373,13 @@ func slotSource(prog *Program, b *buffer) {
 // buffer would be one more copy of the parameter grads beside an owned
 // .grad that outlives the step (measured: +3.8 % of the pipeline's peak
 // with zero_grad(set_to_none=False)); there, and without Chain, owned
-// clones are returned and the buffers go back to the pool after the
-// backward when the build releases pool buffers (Reuse or Chain).
+// clones are returned and, whenever the build releases pool buffers (a
+// device pool), the buffers go back to the pool after the backward: a
+// clone is made before any other replay (the backward's own return), and
+// where .grad exists autograd's AccumulateGrad, which the engine runs
+// before any other node that became ready with it, adds the buffer in
+// right away. Kept for the graph's lifetime, an _order's buffers were one
+// copy of the layer's parameter grads per microbatch pass.
 func gradPolicies(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt Options) {
 	first := map[int]int{} // param -> pass of its first backward
 	for _, s := range p.Steps {
@@ -392,7 +397,7 @@ func gradPolicies(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt 
 			switch {
 			case !p.Ordered && first[g.Param] == pass && (opt.Chain || !opt.Reuse):
 				prog.GradPolicy[pass][i] = GradLend
-			case opt.Release && (opt.Reuse || opt.Chain) && f.Backward:
+			case opt.Release && (opt.Reuse || opt.Chain || p.Ordered) && f.Backward:
 				prog.GradPolicy[pass][i] = GradTransient
 			default:
 				prog.GradPolicy[pass][i] = GradClone

@@ -354,6 +354,9 @@ func TestGradPolicies(t *testing.T) {
 		{"chained pipeline: transient clones (a lent buffer per microbatch pass would be a second copy)", pipe,
 			Options{Chain: true, Reuse: true, Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
 		{"chained pipeline on the eager engine: no pool to hand back", pipe, Options{Chain: true}, [][]GradPolicy{{GradClone}, {GradClone}}},
+		{"pipeline without options: transient clones (a buffer per microbatch pass, each dead after its backward)", pipe,
+			Options{Release: true}, [][]GradPolicy{{GradTransient}, {GradTransient}}},
+		{"pipeline on the eager engine: owned clones", pipe, Options{}, [][]GradPolicy{{GradClone}, {GradClone}}},
 		{"chained default schedule on the eager engine: lent all the same", p, Options{Chain: true}, [][]GradPolicy{{GradLend}, {GradLend}}},
 	}
 	for _, tc := range tests {

@@ -85,8 +85,9 @@ class PassMemory:
     """The parameter part of ``grad_input_bytes``."""
     pool_planned_bytes: int
     """Static buffers this pass does not own: pool blocks handed back once the schedule is past
-    their last reader (``_reuse_graph_input_output_buffers``, ``chain_buffers``), reused by later
-    captures; included in the categories above."""
+    their last reader (``_reuse_graph_input_output_buffers``, ``chain_buffers``, and the
+    parameter grads of ``_order`` schedules on a CUDA pool), reused by later captures; included in
+    the categories above."""
     chained_slots: list[str]
     """Slots that are another pass's buffer (``chain_buffers``): inputs reading the previous
     layer's output, grad outputs that are the next layer's input grad."""

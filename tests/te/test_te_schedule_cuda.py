@@ -106,3 +106,29 @@ def test_delayed_wgrad_is_its_own_graph(cuda_device: torch.device) -> None:
     with pytest.raises(RuntimeError, match="was reset"):
         mod.backward_dw()
     assert gograph.live_graphs() == graphs - 3
+
+
+def test_order_without_options_hands_param_grads_back(cuda_device: torch.device) -> None:
+    """On a device pool an ``_order`` build without options keeps no parameter-grad buffer per
+    microbatch pass: each goes back to the pool after its backward (the grads reach ``.grad`` as
+    owned copies, or added by AccumulateGrad), and training stays exact (the bitwise pipeline
+    tests above run this build too)."""
+    mods = tuple(Block(64, seed=i).to(cuda_device) for i in range(2))
+    ref = copy.deepcopy(mods[0])
+    samples = tuple((torch.randn(32, 64, device=cuda_device, requires_grad=True),) for _ in range(6))
+    graphed = gograph.make_graphed_callables(mods, samples, num_warmup_iters=1, _order=ORDER_2x1x3)
+    report = gograph.memory_report(graphed)
+    for p in report.passes:
+        assert p.param_grad_bytes > 0 and p.pool_planned_bytes == p.param_grad_bytes, p
+        assert p.lent_param_grads == 0
+    for q in mods[0].parameters():
+        q.grad = None
+    x = torch.randn(32, 64, device=cuda_device, requires_grad=True)
+    graphed[0](x).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).sum().backward()
+    for p, q in zip(ref.parameters(), mods[0].parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(x.grad, x2.grad)
+    for g in graphed:
+        g.reset()
