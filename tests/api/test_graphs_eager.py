@@ -254,6 +254,22 @@ def test_a_kept_view_of_a_lent_grad_raises_before_the_replay_changes_it():
     assert torch.equal(view, before)
 
 
+def test_a_refused_replay_copies_out_once_the_view_is_gone():
+    model = make_mlp()
+    ref = twin(model)
+    gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    x1, x2 = batches(2, (4, 8), seed=6)
+    model(x1).sum().backward()
+    ref(x1).sum().backward()
+    view = next(iter(model.parameters())).grad.view(-1)
+    with pytest.raises(RuntimeError, match="still alive"):
+        model(x2)
+    del view  # the next replay checks the lent buffers again
+    model(x2).sum().backward()
+    ref(x2).sum().backward()
+    assert grads_equal(model, ref)
+
+
 def test_param_grads_not_cloned_with_opt_out_alias_static_buffers():
     model = make_mlp()
     ref = twin(model)
