@@ -241,7 +241,7 @@ func surface() map[string]error {
 	_, errs["drop_pass"] = DropPass(1)
 	_, errs["plan_schedule"] = PlanSchedule("", "", 1, 1, true, 1)
 	_, errs["plan_steps"] = PlanSteps(1)
-	_, errs["plan_warmup"] = PlanWarmup(1, 1, false)
+	_, errs["plan_warmup"] = PlanWarmup(1, 1, false, false, true)
 	_, errs["plan_capture"] = PlanCapture(1, "", false, false, false)
 	_, errs["plan_memory"] = PlanMemory(1, "", false, false, false, "")
 	_, errs["set_replay_recarve_spec"] = SetReplayRecarveSpec(1, 0, "")

@@ -68,10 +68,14 @@ func PlanSteps(plan int64) (steps string, err error) {
 
 // PlanWarmup returns plan's warmup program for iters iterations, one
 // "op K pass" line per op (f forward, b backward, w weight gradient, x the
-// pass's warmup outputs die). The default schedule warms up per callable
-// (torch's loop) unless capture-time hooks are given, which need the
-// schedule's order (TransformerEngine's).
-func PlanWarmup(plan int64, iters int, hooks bool) (program string, err error) {
+// pass's warmup outputs die), after a first line "pool 1" when warmup
+// allocates in the build's graph pool ("pool 0" otherwise). The default
+// schedule warms up per callable (torch's loop) unless capture-time hooks
+// are given, which need the schedule's order (TransformerEngine's), or the
+// callables make the whole training step (wholeStep) and the pool is the
+// build's own (ownPool): then in the schedule's order, in the graph pool
+// (lifetime.ChooseWarmup says why).
+func PlanWarmup(plan int64, iters int, hooks, wholeStep, ownPool bool) (program string, err error) {
 	defer recoverPanic("plan_warmup", &err)
 	p, err := store.Get(plan)
 	if err != nil {
@@ -80,7 +84,12 @@ func PlanWarmup(plan int64, iters int, hooks bool) (program string, err error) {
 	if iters < 0 {
 		return "", fmt.Errorf("plan_warmup: %d iterations", iters)
 	}
-	return lifetime.EncodeOps(lifetime.Warmup(p, iters, !p.Ordered && !hooks)), nil
+	mode := lifetime.ChooseWarmup(p, hooks, wholeStep, ownPool)
+	pool := "pool 0\n"
+	if mode.InPool {
+		pool = "pool 1\n"
+	}
+	return pool + lifetime.EncodeOps(lifetime.Warmup(p, iters, mode.PerCallable)), nil
 }
 
 // PlanCapture returns plan's capture program from what warmup learned

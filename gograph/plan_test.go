@@ -53,16 +53,25 @@ func TestPlanScheduleOrdered(t *testing.T) {
 
 func TestPlanWarmupAndCapture(t *testing.T) {
 	h := planOf(t, "", "", 2, 2, true, 2)
-	got, err := PlanWarmup(h, 1, false)
-	if err != nil || got != "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n" {
-		t.Errorf("per-callable warmup = %q, %v", got, err)
-	}
-	got, _ = PlanWarmup(h, 1, true)
-	if got != "op f 0\nop f 1\nop b 1\nop x 1\nop b 0\nop x 0\n" {
-		t.Errorf("warmup with hooks = %q", got)
+	perCallable, inOrder := "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n", "op f 0\nop f 1\nop b 1\nop x 1\nop b 0\nop x 0\n"
+	for _, tc := range []struct {
+		name                      string
+		hooks, wholeStep, ownPool bool
+		want                      string
+	}{
+		{"torch's loop", false, false, true, "pool 0\n" + perCallable},
+		{"capture-time hooks: the schedule's order", true, false, true, "pool 0\n" + inOrder},
+		{"the whole step in a pool of its own: in order, in the pool", false, true, true, "pool 1\n" + inOrder},
+		{"the whole step in a pool passed in: torch's loop", false, true, false, "pool 0\n" + perCallable},
+		{"the whole step with hooks: on the side stream", true, true, true, "pool 0\n" + inOrder},
+	} {
+		got, err := PlanWarmup(h, 1, tc.hooks, tc.wholeStep, tc.ownPool)
+		if err != nil || got != tc.want {
+			t.Errorf("%s: warmup = %q, %v; want %q", tc.name, got, err, tc.want)
+		}
 	}
 	facts := "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 1 1\npass 1 1 0 1 -1 -1\nin 1 1 1 1 1\nout 1 1 1\n"
-	got, err = PlanCapture(h, facts, false, true, true)
+	got, err := PlanCapture(h, facts, false, true, true)
 	want := "op F 0\nop F 1\nop B 1\nop X 1\nop B 0\nop X 0\nop R d 1 0\nin 1 0 c 0 0\ngout 0 0 c 1 0\nslots 0\n"
 	if err != nil || got != want {
 		t.Errorf("chained capture =\n%s, %v\nwant\n%s", got, err, want)
@@ -80,7 +89,7 @@ func TestPlanWarmupAndCapture(t *testing.T) {
 			t.Errorf("PlanCapture(%d, %q): %v, want %q", bad.plan, bad.facts, err, bad.want)
 		}
 	}
-	if _, err := PlanWarmup(h, -1, false); err == nil {
+	if _, err := PlanWarmup(h, -1, false, false, true); err == nil {
 		t.Error("negative warmup iterations accepted")
 	}
 }

@@ -805,3 +805,27 @@ func FuzzPlanCapture(f *testing.F) {
 		_ = prog.Encode()
 	})
 }
+
+func TestChooseWarmup(t *testing.T) {
+	def := defaultPlan(t, 2, true)
+	pipe := plan(t, []float64{1, 1, -1, -1}, "1", 1, 2)
+	tests := []struct {
+		name                      string
+		p                         *schedule.Plan
+		hooks, wholeStep, ownPool bool
+		want                      WarmupMode
+	}{
+		{"default: torch's per-callable loop on the side stream", def, false, false, true, WarmupMode{PerCallable: true}},
+		{"the whole step, own pool: the step's order in the pool", def, false, true, true, WarmupMode{InPool: true}},
+		{"the whole step, a pool passed in: its blocks may be other graphs' memory", def, false, true, false, WarmupMode{PerCallable: true}},
+		{"capture-time hooks: the schedule's order on the side stream", def, true, true, true, WarmupMode{}},
+		{"an _order: the schedule's order on the side stream", pipe, false, true, true, WarmupMode{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := ChooseWarmup(tc.p, tc.hooks, tc.wholeStep, tc.ownPool); got != tc.want {
+				t.Errorf("ChooseWarmup = %+v, want %+v", got, tc.want)
+			}
+		})
+	}
+}

@@ -2,6 +2,41 @@ package lifetime
 
 import "github.com/gograph/gograph/internal/schedule"
 
+// WarmupMode is how a build warms up: in the schedule's order or per
+// callable, and whether warmup allocates in the build's graph pool.
+type WarmupMode struct {
+	PerCallable bool // torch's loop: each pass's iterations before the next pass
+	InPool      bool // allocations in the graph pool the captures then use
+}
+
+// ChooseWarmup decides a build's warmup from what is known before it:
+// whether capture-time hooks are given, whether the callables make the
+// whole training step (the last pass of the default schedule returns only
+// 0-dim outputs, one of them requiring grad: the loss, so the graphs begin
+// the backward themselves) and whether the build's pool is its own (no
+// graph has used it; a pool passed in may hold blocks earlier graphs write).
+//
+// A whole step with a pool of its own warms up as eager training runs the
+// step, in the schedule's order, inside the graph pool: the pool is then
+// laid out as eager's step lays out its one pool (the backward's cuBLAS
+// workspace in a block the loss freed, not a segment of its own) and the
+// captures, which repeat that step, fit into it, so the build's peak is
+// the eager step's. Other builds keep torch's per-callable loop on the
+// side stream: graphs that leave the loss to the caller hold buffers an
+// eager step does not, and a pool laid out by a step measured up to 8 %
+// larger there (docs/BENCHMARKS.md, "Warmup inside the graph pool").
+// An _order or capture-time hooks need the schedule's order
+// (TransformerEngine's warmup), on the side stream.
+func ChooseWarmup(p *schedule.Plan, hooks, wholeStep, ownPool bool) WarmupMode {
+	if p.Ordered || hooks {
+		return WarmupMode{}
+	}
+	if wholeStep && ownPool {
+		return WarmupMode{InPool: true}
+	}
+	return WarmupMode{PerCallable: true}
+}
+
 // Warmup plans iters warmup iterations over p.
 //
 // perCallable is torch's warmup (the default schedule without capture-time

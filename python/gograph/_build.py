@@ -28,7 +28,7 @@ from ._args import PassSpec, Request
 from ._captures import apply_separated, apply_slots, run_captures
 from ._shared_inputs import SharedInput, shared_inputs
 from ._state import PassState
-from ._warmup import WarmupObserver, run_warmup
+from ._warmup import WarmupObserver, module_buffers_restored, run_warmup, warm_forward
 from .engines import CudaEngine, Engine, resolve_engine
 from .graphed import GraphedCallable, PassResult, Shared, lent_grads
 
@@ -71,6 +71,7 @@ class Build:
         self.current: PassState | PassSpec | None = None
         self.reuse: _reuse.BufferReuse | None = None
         self.stats: _observe.BuildStats | None = None
+        self.warm_pool: Hashable | None = None  # the pool warmup allocated in, while referenced
 
     def run(self) -> list[GraphedCallable]:
         rng = self.engine.get_rng_state()
@@ -87,6 +88,7 @@ class Build:
             program, slots = self._plan_captures()
             with _recarve.recording(self.engine, debug) as recorder:
                 run_captures(self, program, slots, recorder)
+            self._end_warmup_in_pool()  # the captures hold the pool now
             self._seal(debug)
             if recorder is not None:  # debug on CUDA: replays checked against what each graph touches
                 _recarve.send(_recarve.specs(recorder, program.ops, self.states))
@@ -112,21 +114,21 @@ class Build:
     def _warmup(self, observer: WarmupObserver | None = None) -> None:
         self.phase = "warmup"
         req = self.req
-        ops = _plan.warmup_program(self.schedule, req.num_warmup_iters, req.hooks.hooks is not None)
+        hooks = req.hooks.hooks is not None
         assert self.stats is not None
         self.stats.warmup_started()
         with self.engine.warmup_context():
             if req.pre_warmup_hook is not None:
                 req.pre_warmup_hook()
-            try:
-                run_warmup(self, ops, observer)
-            except BaseException:
-                if req.post_warmup_hook is not None:  # TransformerEngine runs it even when warmup fails
-                    try:
-                        req.post_warmup_hook()
-                    except Exception as hook_error:  # keep the original error
-                        log.warning("gograph: post_warmup_hook after a failed warmup: %s", str(hook_error))
-                raise
+            # plan_memory (an observer) models torch's per-callable warmup: no probe there.
+            whole = observer is None and self._post_hook_on_error(self._whole_step, hooks)
+        program = _plan.warmup_program(self.schedule, req.num_warmup_iters, hooks, whole, req.pool is None)
+        pool = self.pool if program.in_pool else None
+        if pool is not None:
+            self.engine.release_cached()  # what the probe cached must not stay beside the pool
+        with self.engine.warmup_context(pool):
+            self.warm_pool = pool  # one pool reference, returned once the captures hold theirs
+            self._post_hook_on_error(run_warmup, self, program.ops, observer)
             if req.post_warmup_hook is not None:
                 self.current = None  # a hook's error is not a callable's
                 req.post_warmup_hook()
@@ -134,6 +136,45 @@ class Build:
         for st in self.states:  # warmup is over: what it kept alive goes
             st.warm_outputs = st.warm_grads = None
         self.stats.warmup_finished()
+
+    def _post_hook_on_error(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; if it raises, ``post_warmup_hook`` runs first (TransformerEngine runs it
+        even when warmup fails), its own error logged so the original one is raised."""
+        try:
+            return fn(*args)
+        except BaseException:
+            if self.req.post_warmup_hook is not None:
+                try:
+                    self.req.post_warmup_hook()
+                except Exception as hook_error:
+                    log.warning("gograph: post_warmup_hook after a failed warmup: %s", str(hook_error))
+            raise
+
+    def _whole_step(self, hooks: bool) -> bool:
+        """Whether the callables make the whole training step: the last pass of the default
+        schedule returns only 0-dim outputs, one of them requiring grad (the loss). Found out by
+        one forward of that callable before warmup (a probe: its module buffers are restored
+        after it and what it allocated goes back before warmup starts), only in gograph's memory
+        mode (``chain_buffers``: torch's drop-in call keeps torch's warmup exactly) and where the
+        answer can change the core's warmup plan (a pool of the build's own, no capture-time
+        hooks, no ``_order``)."""
+        req = self.req
+        if not req.chain or hooks or self.schedule.ordered or req.pool is not None or req.num_warmup_iters < 1:
+            return False
+        st = self.states[-1]
+        if not st.spec.grad_enabled:
+            return False
+        self.current = st
+        func = req.callables[st.spec.callable_index]
+        with module_buffers_restored([func]):
+            warm_forward(st, func, req.hooks, self.device)
+        outputs, st.warm_outputs = st.warm_outputs or (), None
+        return bool(outputs) and all(o.dim() == 0 for o in outputs) and any(o.requires_grad for o in outputs)
+
+    def _end_warmup_in_pool(self) -> None:
+        pool, self.warm_pool = self.warm_pool, None
+        if pool is not None:
+            self.engine.end_warmup_in_pool(pool)
 
     def _plan_captures(self) -> tuple[_plan.CaptureProgram, dict[int, Any]]:
         """What warmup learned goes to the core; the capture program comes back."""
@@ -173,6 +214,10 @@ class Build:
                 self.engine.drop(st.pass_id, self.pool)
             except Exception as cleanup_error:  # keep the original error
                 log.warning("gograph: releasing pass %d after a failed build: %s", st.pass_id, str(cleanup_error))
+        try:
+            self._end_warmup_in_pool()
+        except Exception as pool_error:
+            log.warning("gograph: releasing the pool warmup allocated in after a failed build: %s", str(pool_error))
         try:
             self.engine.set_rng_state(rng)
         except Exception as rng_error:

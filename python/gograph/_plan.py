@@ -31,6 +31,7 @@ __all__ = [
     "ScheduleTypeError",
     "Source",
     "Step",
+    "WarmupProgram",
     "capture_program",
     "encode_layers",
     "encode_order",
@@ -248,11 +249,27 @@ def _ops(lines: Sequence[list[str]]) -> tuple[Op, ...]:
     return tuple(out)
 
 
-def warmup_program(schedule: Schedule, iters: int, hooks: bool) -> tuple[Op, ...]:
-    """The warmup ops for ``iters`` iterations: per callable (torch's loop) for the default
-    schedule without capture-time ``hooks``, else the schedule's order."""
-    text = str(_core.plan_warmup(schedule.handle, int(iters), bool(hooks)))
-    return _ops([ln.split() for ln in text.splitlines() if ln])
+@dataclass(frozen=True)
+class WarmupProgram:
+    """The warmup ops in order, and whether warmup allocates in the build's graph pool."""
+
+    ops: tuple[Op, ...]
+    in_pool: bool
+
+
+def warmup_program(
+    schedule: Schedule, iters: int, hooks: bool, whole_step: bool = False, own_pool: bool = False
+) -> WarmupProgram:
+    """The warmup for ``iters`` iterations, as the core chooses it: per callable (torch's loop)
+    for the default schedule, in the schedule's order with capture-time ``hooks`` or an
+    ``_order``, and in the schedule's order inside the graph pool when the callables make the
+    whole training step (``whole_step``: the last one returns the loss) and the build's pool is
+    its own (``own_pool``)."""
+    text = str(_core.plan_warmup(schedule.handle, int(iters), bool(hooks), bool(whole_step), bool(own_pool)))
+    lines = [ln.split() for ln in text.splitlines() if ln]
+    if not lines or len(lines[0]) != 2 or lines[0][0] != "pool":
+        raise RuntimeError(f"gograph: the core's warmup program starts with {lines[:1]!r}, not a pool line")
+    return WarmupProgram(_ops(lines[1:]), lines[0][1] == "1")
 
 
 @dataclass(frozen=True)

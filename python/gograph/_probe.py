@@ -24,6 +24,7 @@ from torch import Tensor
 
 from . import _plan, _reuse, _torch
 from ._state import PassState
+from ._warmup import module_buffers_restored
 from .engines import CudaEngine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -197,9 +198,9 @@ def probe(build: Build) -> Probe:
     rng = engine.get_rng_state()
     build.stats = _observe_stats(engine)
     sizes: WarmupSizes = WarmupSizes()
-    ops = _plan.warmup_program(build.schedule, 1, req.hooks.hooks is not None)
+    ops = _plan.warmup_program(build.schedule, 1, req.hooks.hooks is not None).ops  # what build._warmup runs
     try:
-        with _module_buffers_restored(req.callables):
+        with module_buffers_restored(req.callables):
             build._create_passes()
             with _recording(engine) as recorder:
                 sizes = recorder if recorder is not None else sizes
@@ -235,15 +236,3 @@ def _recording(engine: Any) -> Iterator[AllocationTrace | None]:
         return
     with AllocationTrace(engine.device) as rec:
         yield rec
-
-
-@contextlib.contextmanager
-def _module_buffers_restored(callables: Sequence[Any]) -> Iterator[None]:
-    """Module buffers (BatchNorm's running statistics, ...) as they were before the warmup."""
-    saved = [(b, b.detach().clone()) for c in callables if isinstance(c, torch.nn.Module) for b in c.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)

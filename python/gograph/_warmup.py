@@ -11,7 +11,7 @@ pass's first forward, zero incoming grads are reused across one pass's consecuti
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -23,7 +23,7 @@ from ._reuse import tensor_signature
 from ._shared_inputs import version_of
 from ._state import PassState
 
-__all__ = ["check_outputs", "run_warmup"]
+__all__ = ["check_outputs", "module_buffers_restored", "run_warmup", "warm_forward"]
 
 
 def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device | None) -> None:
@@ -219,3 +219,16 @@ def warm_dw(st: PassState, build: Any, kind: str, entry: str | None) -> None:
         st.rng[2] = True
     elif st.rng[2] is None:
         st.rng[2] = False
+
+
+@contextlib.contextmanager
+def module_buffers_restored(callables: Sequence[Any]) -> Iterator[None]:
+    """Module buffers (BatchNorm's running statistics, ...) as they were before the block: for
+    forwards that are not part of torch's warmup (the whole-step probe, ``plan_memory``)."""
+    saved = [(b, b.detach().clone()) for c in callables if isinstance(c, torch.nn.Module) for b in c.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)

@@ -201,8 +201,17 @@ class Engine(abc.ABC):
 
     # -- warmup and RNG -----------------------------------------------------------------------
     @abc.abstractmethod
-    def warmup_context(self) -> contextlib.AbstractContextManager[None]:
-        """Context in which warmup iterations run (the side stream for CUDA)."""
+    def warmup_context(self, pool: Hashable | None = None) -> contextlib.AbstractContextManager[None]:
+        """Context in which warmup iterations run (the side stream for CUDA). With ``pool`` an
+        engine with device pools allocates warmup's memory in that graph pool and takes one
+        reference on it, which :meth:`end_warmup_in_pool` returns once the captures hold theirs
+        (a pool whose last reference went cannot be captured into again)."""
+
+    def end_warmup_in_pool(self, pool: Hashable) -> None:  # noqa: B027 (optional: engines with device pools)
+        """Returns the pool reference ``warmup_context(pool)`` took."""
+
+    def release_cached(self) -> None:  # noqa: B027 (optional: engines with device pools)
+        """Gives the memory the allocator caches outside graph pools back to the device."""
 
     @abc.abstractmethod
     def rng_marker(self) -> Hashable:
@@ -429,13 +438,26 @@ class CudaEngine(Engine):
         self.rng.release(pass_id, tuple(KIND_NAMES))
 
     @contextlib.contextmanager
-    def warmup_context(self) -> Iterator[None]:
+    def warmup_context(self, pool: Hashable | None = None) -> Iterator[None]:
         torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                yield
+                if pool is None:
+                    yield
+                else:  # stream-scoped: autograd's device thread running the backward is routed too
+                    _torch.begin_allocate_to_pool(self.device_index, pool)
+                    try:
+                        yield
+                    finally:
+                        _torch.end_allocate_to_pool(self.device_index, pool)
         torch.cuda.synchronize(self.device)
+
+    def end_warmup_in_pool(self, pool: Hashable) -> None:
+        self._release_refs(pool, 1)
+
+    def release_cached(self) -> None:
+        _torch.empty_cache()  # the cuBLAS workspaces stay: torch holds them (per handle and stream)
 
     def rng_marker(self) -> Hashable:
         default = torch.cuda.default_generators[self.device_index].get_offset()
@@ -651,8 +673,8 @@ class EagerEngine(Engine):
     def _forget(self, pass_id: int) -> None:
         self._passes.pop(pass_id, None)
 
-    def warmup_context(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    def warmup_context(self, pool: Hashable | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # host memory: no pool to allocate in, nothing cached
 
     def rng_marker(self) -> Hashable:
         return None  # re-running the body consumes RNG exactly as eager code does
