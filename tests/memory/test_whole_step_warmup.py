@@ -84,3 +84,39 @@ def test_the_probe_leaves_module_buffers_as_warmup_alone_would() -> None:
     assert isinstance(counted, Logged)
     assert calls[0] == 2  # the probe ran first ...
     assert counted.calls.item() == calls.count(2) - 1  # ... and its count was restored
+
+
+class Failing(Logged):
+    """Raises on its ``fail_at``-th forward."""
+
+    def __init__(self, seed: int, log: list[int], fail_at: int) -> None:
+        super().__init__(seed, log)
+        self.fail_at = fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.log.count(self.index) + 1 == self.fail_at:
+            raise ValueError("layer fault")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2], ids=["in-the-probe", "in-warmup"])
+def test_warmup_hooks_frame_the_probe_and_a_failure_leaves_nothing(fail_at: int) -> None:
+    """TransformerEngine's hooks: pre_warmup_hook before the probe (it is warmup's first
+    forward), post_warmup_hook also when the probe or warmup fails; the build rolls back."""
+    calls: list[int] = []
+    mods = [Logged(0, calls), Logged(1, calls), WithLoss(Failing(2, calls, fail_at))]
+    first = torch.randn(4, FEATURES)
+    shared = first.detach().requires_grad_()
+    samples = ((first,), (shared,), (shared, torch.randn(4, FEATURES)))
+    live = gograph.live_graphs()
+    with pytest.raises(ValueError, match=r"callable 2 \(WithLoss\) failed during warmup: layer fault"):
+        gograph.make_graphed_callables(
+            tuple(mods),
+            samples,
+            chain_buffers=True,
+            pre_warmup_hook=lambda: calls.append(-1),
+            post_warmup_hook=lambda: calls.append(-2),
+        )
+    assert calls[0] == -1 and calls[-1] == -2
+    assert calls[1:-1] == ([] if fail_at == 1 else [2, 0, 1])  # the probe, then the step's forwards
+    assert gograph.live_graphs() == live
