@@ -1,7 +1,9 @@
 """The build: executes one ``make_graphed_callables`` plan, phase by phase.
 
 1. passes: one core record per graphed pass;
-2. warmup: the core's warmup program (:mod:`gograph._warmup`) on the engine's side stream;
+2. warmup: the core's warmup program (:mod:`gograph._warmup`) on the engine's side stream, or,
+   for a ``chain_buffers`` build that makes the whole training step (a probe forward of the last
+   callable finds its loss), the step's order inside the build's own graph pool;
 3. planning: what warmup learned goes to the core, which returns the capture program -- every
    capture in replay order, every release point, where each static buffer comes from and how each
    parameter grad reaches ``.grad``;
