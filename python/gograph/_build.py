@@ -158,14 +158,13 @@ class Build:
         one forward of that callable before warmup (a probe: its module buffers are restored
         after it and what it allocated goes back before warmup starts), only in gograph's memory
         mode (``chain_buffers``: torch's drop-in call keeps torch's warmup exactly) and where the
-        answer can change the core's warmup plan (a pool of the build's own, no capture-time
-        hooks, no ``_order``)."""
+        core says the answer would change its warmup plan."""
         req = self.req
-        if not req.chain or hooks or self.schedule.ordered or req.pool is not None or req.num_warmup_iters < 1:
-            return False
         st = self.states[-1]
-        if not st.spec.grad_enabled:
+        if not req.chain or req.num_warmup_iters < 1 or not st.spec.grad_enabled:
             return False
+        if not _plan.warmup_program(self.schedule, 0, hooks, True, req.pool is None).in_pool:
+            return False  # a pool passed in, capture-time hooks, an _order: the plan stays
         self.current = st
         func = req.callables[st.spec.callable_index]
         with module_buffers_restored([func]):
