@@ -79,3 +79,15 @@ class ChainLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.act(self.fc(x)))
+
+
+class WithLoss(torch.nn.Module):
+    """The last layer followed by the loss, graphed as one callable (README's recommendation):
+    ``forward(x, target)`` returns ``mse_loss(layer(x).float(), target)``."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(x).float(), target)

@@ -12,7 +12,7 @@ import torch
 
 import gograph
 
-from helpers import ChainLayer, params_equal
+from helpers import ChainLayer, WithLoss, params_equal
 
 FEATURES = 8
 
@@ -232,18 +232,6 @@ def test_chain_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match="chain_buffers must be a bool"):
         gograph.make_graphed_callables(tuple(_layers(2)), samples, chain_buffers=1)  # type: ignore[arg-type]
     assert gograph.live_plans() == 0
-
-
-class WithLoss(torch.nn.Module):
-    """The last layer followed by the loss, graphed as one callable (README's recommendation):
-    ``forward(x, target)`` returns ``mse_loss(layer(x), target)``."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(x), target)
 
 
 def _train_with_loss(calls: Sequence[Callable[..., Any]], mods: Sequence[torch.nn.Module], set_to_none: bool) -> list:

@@ -15,7 +15,7 @@ import torch
 
 import gograph
 
-from helpers import ChainLayer, params_equal
+from helpers import ChainLayer, WithLoss, params_equal
 
 pytestmark = pytest.mark.cuda
 
@@ -173,17 +173,6 @@ def test_a_chain_holds_less_memory(layers) -> None:
     saved = 3 * ROWS * D * 4
     assert plain[0] - chained[0] == saved, (plain, chained)
     assert plain[1] - chained[1] >= saved * 0.9, (plain, chained)
-
-
-class WithLoss(torch.nn.Module):
-    """The last layer followed by the loss, graphed as one callable (README's recommendation)."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(x).float(), target)
 
 
 def _train_with_loss(calls: Sequence[Callable[..., Any]], mods: Sequence[torch.nn.Module], set_to_none: bool) -> list:

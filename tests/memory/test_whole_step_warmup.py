@@ -13,20 +13,9 @@ import torch
 
 import gograph
 
-from helpers import ChainLayer
+from helpers import ChainLayer, WithLoss
 
 FEATURES = 8
-
-
-class WithLoss(torch.nn.Module):
-    """The last layer and the loss as one callable."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(x), target)
 
 
 class Logged(ChainLayer):

@@ -13,28 +13,30 @@ import torch
 
 import gograph
 
-from helpers import ChainLayer, params_equal
+from helpers import ChainLayer, WithLoss, params_equal
 
 pytestmark = pytest.mark.cuda
 
 D, ROWS = 256, 128
 
 
-class WithLoss(torch.nn.Module):
+class FailingLoss(WithLoss):
+    """Raises on its ``fail_at``-th call (0: never)."""
+
     def __init__(self, layer: torch.nn.Module, fail_at: int = 0) -> None:
-        super().__init__()
-        self.layer, self.fail_at, self.calls = layer, fail_at, 0
+        super().__init__(layer)
+        self.fail_at, self.calls = fail_at, 0
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.fail_at:
             raise ValueError("loss fault")
-        return torch.nn.functional.mse_loss(self.layer(x), target)
+        return super().forward(x, target)
 
 
 def _mods(device: torch.device, fail_at: int = 0) -> list[torch.nn.Module]:
     layers = [ChainLayer(i, D, 0.1, torch.nn.functional.gelu).to(device) for i in range(3)]
-    return [*layers[:2], WithLoss(layers[2], fail_at)]
+    return [*layers[:2], FailingLoss(layers[2], fail_at)]
 
 
 def _samples(device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -85,7 +87,7 @@ def test_a_whole_step_build_that_fails_in_warmup_leaves_no_pool(cuda_device: tor
     gograph.make_graphed_callables(tuple(_mods(cuda_device)), _samples(cuda_device), chain_buffers=True)
     base = _reserved_after_cleanup(cuda_device)
     live = gograph.live_graphs()
-    with pytest.raises(ValueError, match=r"callable 2 \(WithLoss\) failed during warmup: loss fault"):
+    with pytest.raises(ValueError, match=r"callable 2 \(FailingLoss\) failed during warmup: loss fault"):
         gograph.make_graphed_callables(tuple(_mods(cuda_device, fail_at)), _samples(cuda_device), chain_buffers=True)
     assert gograph.live_graphs() == live
     assert _reserved_after_cleanup(cuda_device) == base
