@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import footprint
 
 MiB = 2**20
+SMALL_SEGMENT = 2 * MiB  # the caching allocator's small-pool segment
 OURS = ("/gograph/", "/bench/", "/transformers/")
 
 
@@ -143,6 +144,24 @@ def print_segments(segs: list[dict[str, Any]], most: int) -> None:
     print(f"   {len(segs)} segments, {free / MiB:.0f} MiB free in them")
 
 
+def print_small(segs: list[dict[str, Any]]) -> None:
+    """Reserved bytes per stream in small-pool segments (2 MiB: allocations up to 1 MiB) and in
+    large ones, and who made each small segment: a pool or a stream with any small tensor costs
+    one 2 MiB segment at least."""
+    per: dict[tuple[int, bool], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for seg in segs:
+        row = per[(seg["stream"], seg["size"] == SMALL_SEGMENT)]
+        row[0], row[1] = row[0] + 1, row[1] + seg["size"]
+    for (stream, small), (n, size) in sorted(per.items()):
+        print(f"   {'small' if small else 'large'} segments [stream {stream:#x}]: {n}, {size / MiB:.0f} MiB")
+    for seg in segs:
+        if seg["size"] == SMALL_SEGMENT:
+            print(
+                f"   small segment [stream {seg['stream']:#x}] live {seg['live'] / 1024:.1f} KiB, "
+                f"made at {seg['made']} by {seg['by']}"
+            )
+
+
 def print_events(trace: list[dict[str, Any]], at: int, around: int) -> None:
     """The allocator events around trace entry ``at`` (what made the peak's segment, and why no
     free block served it)."""
@@ -164,10 +183,13 @@ def report(
     top: int,
     segments: int = 0,
     events: int = 0,
+    small: bool = False,
 ) -> dict[str, Any]:
     at, peak = replay(trace, start, stop, base)
     if segments:
         print_segments(segments_at(trace, at), segments)
+    if small:
+        print_small(segments_at(trace, at))
     if events:
         print_events(trace, at, events)
     groups, streams = live_at(trace, at)
@@ -194,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--events", type=int, default=0, metavar="N", help="list the N allocator events on each side of a peak"
     )
+    ap.add_argument("--small", action="store_true", help="small vs large segments per stream, each small one's maker")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -211,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload} {args.arm} {args.mode}: footprint peak {row['peak_reserved'] / MiB:.0f} MiB")
     out = []
     if "build" in marks:
-        out.append(report("build", trace, init, marks["build"], base, args.top, args.segments, args.events))
-    out.append(report("steps", trace, marks.get("build", init), len(trace), base, args.top, args.segments, args.events))
+        out.append(report("build", trace, init, marks["build"], base, args.top, args.segments, args.events, args.small))
+    out.append(
+        report(
+            "steps", trace, marks.get("build", init), len(trace), base, args.top, args.segments, args.events, args.small
+        )
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cell": [args.workload, args.arm, args.mode], "row": row, "phases": out}, f)

@@ -71,3 +71,20 @@ def test_made_by_names_the_gograph_frame_only_when_it_is_not_the_innermost() -> 
     own = [frame("/x/python/gograph/_captures.py", 161, "_grad_output_buffer")]
     assert peak_breakdown.made_by(own) == "_captures.py:161 _grad_output_buffer"
     assert peak_breakdown.made_by([]) == "?"
+
+
+def test_small_segments_are_counted_per_stream_with_their_maker(capsys: pytest.CaptureFixture[str]) -> None:
+    small = [frame("/x/python/gograph/_warmup.py", 184, "<genexpr>")]
+    trace = [
+        event("segment_alloc", 0x1000_0000, 20 * MiB, WARMUP),
+        event("segment_alloc", 0x3000_0000, 2 * MiB, small),
+        event("alloc", 0x3000_0000, 512, small),
+        {**event("segment_alloc", 0x4000_0000, 2 * MiB), "stream": 0},
+    ]
+    peak_breakdown.print_small(peak_breakdown.segments_at(trace, len(trace) - 1))
+    lines = capsys.readouterr().out.splitlines()
+    assert "small segments [stream 0x0]: 1, 2 MiB" in lines[0]
+    assert "large segments [stream 0x7]: 1, 20 MiB" in lines[1]
+    assert "small segments [stream 0x7]: 1, 2 MiB" in lines[2]
+    assert "[stream 0x7] live 0.5 KiB, made at 1 by _warmup.py:184 <genexpr>" in lines[3]
+    assert "[stream 0x0] live 0.0 KiB, made at 3 by ?" in lines[4]
