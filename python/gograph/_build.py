@@ -114,7 +114,7 @@ class Build:
             self.states.append(PassState(spec, pass_id))
 
     def _warmup(self, observer: WarmupObserver | None = None) -> None:
-        self.phase = "warmup"
+        self.phase, self.current = "warmup", None  # a hook's or the engine's error is not a callable's
         req = self.req
         hooks = req.hooks.hooks is not None
         assert self.stats is not None
@@ -124,6 +124,7 @@ class Build:
                 req.pre_warmup_hook()
             # plan_memory (an observer) models torch's per-callable warmup: no probe there.
             whole = observer is None and self._post_hook_on_error(self._whole_step, hooks)
+            self.current = None  # the probe's callable is done
         program = _plan.warmup_program(self.schedule, req.num_warmup_iters, hooks, whole, req.pool is None)
         pool = self.pool if program.in_pool else None
         if pool is not None:

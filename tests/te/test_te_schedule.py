@@ -441,6 +441,21 @@ def test_post_warmup_hook_runs_when_warmup_fails() -> None:
     assert calls == ["pre", "post"]
 
 
+def test_a_pre_warmup_hook_error_is_raised_as_the_hooks_not_a_callables() -> None:
+    """No callable has run yet: the error must not name one (it named the last callable set up)."""
+
+    def broken() -> None:
+        raise ValueError("hook broke")
+
+    live = gograph.live_passes()
+    blocks = (Block(FEATURES, 0), Block(FEATURES, 1))
+    samples = tuple((torch.randn(ROWS, FEATURES, requires_grad=True),) for _ in blocks)
+    with pytest.raises(ValueError) as info:
+        gograph.make_graphed_callables(blocks, samples, pre_warmup_hook=broken)
+    assert str(info.value) == "hook broke"
+    assert gograph.live_passes() == live  # rolled back
+
+
 # ---------------------------------------------------------------------------------------------
 # Delayed weight gradients
 # ---------------------------------------------------------------------------------------------
