@@ -186,10 +186,11 @@ def report(
     small: bool = False,
 ) -> dict[str, Any]:
     at, peak = replay(trace, start, stop, base)
+    segs = segments_at(trace, at) if segments or small else []
     if segments:
-        print_segments(segments_at(trace, at), segments)
+        print_segments(segs, segments)
     if small:
-        print_small(segments_at(trace, at))
+        print_small(segs)
     if events:
         print_events(trace, at, events)
     groups, streams = live_at(trace, at)
