@@ -41,7 +41,7 @@ else:  # pragma: no cover
     from typing_extensions import Unpack
 
 if TYPE_CHECKING:  # pragma: no cover
-    from collections.abc import Hashable
+    from collections.abc import Hashable, Mapping, Sequence
 
     from ._args import GraphOptions
 
@@ -156,12 +156,24 @@ def plan_memory(
 
 def _leave_allocator_as_found(engine: CudaEngine, allocated: int) -> None:
     """Warmup's first matmuls on gograph's side stream made cuBLAS workspaces (torch caches one
-    per stream): a build keeps them for its captures, a plan gives them back, and what the
-    warmup cached goes back to the device, as a build's first capture does."""
+    per handle and stream): a build keeps them for its captures; a plan gives them back when no
+    CUDA graph can be using a workspace (torch clears every stream's at once). What the warmup
+    cached goes back to the device, as a build's first capture does."""
     engine.synchronize()
-    if torch.cuda.memory_allocated(engine.device) > allocated:
+    _torch.empty_cache()  # first, so pools no graph holds any more give their segments back
+    grown = torch.cuda.memory_allocated(engine.device) > allocated
+    if grown and _workspaces_unused_by_graphs(int(_core.live_graphs()), torch.cuda.memory_snapshot()):
         _torch.clear_cublas_workspaces()
-    _torch.empty_cache()
+        _torch.empty_cache()
+
+
+def _workspaces_unused_by_graphs(live_graphs: int, segments: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether freeing the cuBLAS workspaces is safe: a captured GEMM keeps its workspace's
+    address, and a freed workspace's memory goes to the next tensor allocated, which that graph's
+    replay would then overwrite. Safe when the core holds no graph and no allocator segment
+    belongs to a private pool (torch's graphs, gograph's and its RNG companions, and
+    ``torch.cuda.MemPool`` allocate in one). A graph that allocated nothing is not seen."""
+    return live_graphs == 0 and all(tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) for seg in segments)
 
 
 def _assemble(engine: str, found: _probe.Probe, prediction: str | None) -> MemoryPlan:

@@ -180,3 +180,23 @@ def test_core_replays_the_trace_in_capture_order() -> None:
         f"op B 0 {256 * MiB} {192 * MiB}", f"op X 0 {256 * MiB} {192 * MiB}",
         f"op R d 1 0 {256 * MiB} {128 * MiB}",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "live_graphs, pools, safe",
+    [
+        (0, [], True),  # nothing allocated
+        (0, [(0, 0), (0, 0)], True),  # the default pool only
+        (1, [(0, 0)], False),  # a gograph graph is live
+        (0, [(0, 0), (1, 0)], False),  # a private pool has a segment: torch's graph, a MemPool
+        (2, [(3, 7)], False),
+    ],
+)
+def test_a_plan_frees_cublas_workspaces_only_where_no_graph_can_use_one(
+    live_graphs: int, pools: list[tuple[int, int]], safe: bool
+) -> None:
+    from gograph.planning import _workspaces_unused_by_graphs
+
+    segments = [{"segment_pool_id": pool, "total_size": 2 * MiB} for pool in pools]
+    assert _workspaces_unused_by_graphs(live_graphs, segments) is safe
+    assert _workspaces_unused_by_graphs(live_graphs, [{"total_size": 1}]) is (live_graphs == 0)  # older snapshots

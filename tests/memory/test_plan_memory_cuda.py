@@ -77,6 +77,36 @@ def test_leaves_no_trace_on_the_device() -> None:
     assert "graph pool:" in str(plan)
 
 
+def test_a_plan_keeps_the_cublas_workspace_a_live_graph_uses() -> None:
+    """A plan on a stream new to cuBLAS makes workspaces there. torch frees every stream's
+    workspaces at once, and a captured GEMM keeps its workspace's address: with a torch graph
+    alive, the plan must keep them all (before, it freed the graph's too)."""
+    lin = torch.nn.Linear(WIDTH, WIDTH, device="cuda")
+    x = torch.randn(ROWS, WIDTH, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lin(x)  # the capture stream's workspace, made before capture as torch's warmup makes it
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        y = lin(x)
+    graph.replay()
+    expected = y.clone()
+    layers, samples = _chain(2)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    gograph.plan_memory(layers, samples, engine=gograph.CudaEngine())  # a stream of its own
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() >= allocated, "a workspace a live graph uses was freed"
+    filler = torch.full((8, ROWS, WIDTH), 7.0, device="cuda")  # takes what a freed block would give
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, expected)
+    assert bool((filler == 7.0).all())
+    del graph
+
+
 def test_caller_recording_history_gets_no_pool_prediction() -> None:
     layers, samples = _chain(2)
     torch.cuda.memory._record_memory_history(max_entries=1000)
