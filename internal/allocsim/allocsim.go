@@ -186,6 +186,26 @@ func (p *Pool) Alloc(id int, n int64) error {
 	return nil
 }
 
+// seedID names the block Seed allocates and frees; trace ids are never
+// negative.
+const seedID = -1 << 62
+
+// Seed carves one segment for a request of n bytes and frees it at once, as
+// allocating and freeing one tensor of n bytes does before any other request:
+// later requests split their blocks out of that free segment, and freed
+// neighbours inside it merge again, which blocks of different segments never
+// do. The allocated high-water mark does not count it.
+func (p *Pool) Seed(n int64) error {
+	if err := p.Alloc(seedID, n); err != nil {
+		return err
+	}
+	if err := p.Free(seedID); err != nil {
+		return err
+	}
+	p.peakAllocated = p.allocated
+	return nil
+}
+
 // Free returns block id to the pool, merging it with free neighbours.
 func (p *Pool) Free(id int) error {
 	b, ok := p.live[id]

@@ -167,3 +167,49 @@ func FuzzPool(f *testing.F) {
 		}
 	})
 }
+
+func TestSeedLetsFreedNeighboursMerge(t *testing.T) {
+	const mib = 1 << 20
+	run := func(seed int64) *Pool {
+		p := New()
+		if seed > 0 {
+			if err := p.Seed(seed); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for id, n := range []int64{30 * mib, 30 * mib} {
+			if err := p.Alloc(id, n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for id := range 2 {
+			if err := p.Free(id); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := p.Alloc(2, 50*mib); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	cases := []struct {
+		name               string
+		seed               int64
+		reserved, segments int64
+	}{
+		{"two 30 MiB segments cannot merge: a third for 50", 0, 110 * mib, 3},
+		{"one 60 MiB seed: the freed halves merge and hold 50", 60 * mib, 60 * mib, 1},
+		{"a 40 MiB seed: the second 30 needs a segment of its own", 40 * mib, 120 * mib, 3},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := run(c.seed)
+			if p.Reserved() != c.reserved || p.Segments() != c.segments {
+				t.Errorf("reserved %d MiB in %d segments, want %d in %d", p.Reserved()/mib, p.Segments(), c.reserved/mib, c.segments)
+			}
+			if p.PeakAllocated() != 60*mib {
+				t.Errorf("peak allocated %d MiB, want 60 (the seed is not counted)", p.PeakAllocated()/mib)
+			}
+		})
+	}
+}

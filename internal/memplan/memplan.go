@@ -123,6 +123,7 @@ type OpMemory struct {
 
 // Result is the prediction.
 type Result struct {
+	Seed              int64 // the segment carved before the captures (0: none)
 	PoolReserved      int64 // the graph pool's segments once every capture is done
 	PoolPeakAllocated int64 // the most its blocks held at once during the captures
 	PoolLive          int64 // what its blocks hold after the build (static outputs, grads, ...)
@@ -140,7 +141,14 @@ type Result struct {
 
 // Simulate predicts the pool of prog from tr.
 func Simulate(prog *lifetime.Program, tr *Trace) (*Result, error) {
-	res := &Result{}
+	return SimulateSeeded(prog, tr, 0)
+}
+
+// SimulateSeeded predicts the pool of prog from tr when one segment of seed
+// bytes (0: none) is allocated and freed in the pool before the first
+// capture (allocsim.Pool.Seed).
+func SimulateSeeded(prog *lifetime.Program, tr *Trace, seed int64) (*Result, error) {
+	res := &Result{Seed: seed}
 	if err := warmup(tr, res); err != nil {
 		return nil, err
 	}
@@ -158,6 +166,11 @@ func Simulate(prog *lifetime.Program, tr *Trace) (*Result, error) {
 		}
 	}
 	sim := &capture{pool: allocsim.New(), tr: tr, forward: map[int][]int{}, byStep: byStep, first: first, named: map[int]bool{}}
+	if seed > 0 {
+		if err := sim.pool.Seed(seed); err != nil {
+			return nil, fmt.Errorf("seed segment: %w", err)
+		}
+	}
 	for _, id := range tr.Outputs {
 		sim.named[id] = true
 	}
@@ -303,4 +316,34 @@ func (r *Result) Encode() string {
 	}
 	b.WriteString("\n")
 	return b.String()
+}
+
+// seedSteps is how many seed sizes ChooseSeed tries between half the
+// captures' peak and the peak.
+const seedSteps = 128
+
+// ChooseSeed returns the prediction with the seed segment that makes the
+// smallest pool (Simulate's when no seed does better): the captures grow a
+// pool a segment at a time, so it ends larger than the most its blocks hold
+// at once, and one segment carved first lets freed neighbours merge. Seeds
+// from half the unseeded peak to the peak are tried, in 2 MiB steps at
+// least; a seed the captures do not fill is reserved all the same, so the
+// search stays below the peak.
+func ChooseSeed(prog *lifetime.Program, tr *Trace) (*Result, error) {
+	best, err := Simulate(prog, tr)
+	if err != nil {
+		return nil, err
+	}
+	peak := best.PoolPeakAllocated
+	step := max(allocsim.RoundLarge, peak/2/seedSteps)
+	for seed := peak / 2; seed <= peak; seed += step {
+		res, err := SimulateSeeded(prog, tr, seed)
+		if err != nil {
+			return nil, err
+		}
+		if res.PoolReserved < best.PoolReserved {
+			best = res
+		}
+	}
+	return best, nil
 }

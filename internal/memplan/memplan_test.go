@@ -188,5 +188,103 @@ func FuzzSimulate(f *testing.F) {
 		if res.PoolPeakAllocated > res.PoolReserved || res.PoolLive > res.PoolPeakAllocated || res.WarmupAllocated > res.WarmupReserved {
 			t.Fatalf("inconsistent %+v", res)
 		}
+		seeded, err := ChooseSeed(prog, tr)
+		if err != nil {
+			t.Fatalf("seeded: %v", err)
+		}
+		// Block sizes may differ (a remainder of 1 MiB or less stays in its
+		// block), so only the pool and the seed's bound are compared.
+		if seeded.PoolReserved > res.PoolReserved || seeded.Seed > res.PoolPeakAllocated {
+			t.Fatalf("seed %d: %+v against unseeded %+v", seeded.Seed, seeded, res)
+		}
 	})
+}
+
+// fragmentingTrace is one pass whose forward saves two 30 MiB blocks and
+// returns a 12 MiB output, and whose backward frees both saved blocks, makes
+// a 50 MiB transient and returns a 12 MiB input grad and a 12 MiB weight grad.
+// Captured segment by segment, the two freed 30 MiB blocks cannot merge to
+// hold the transient: 30+30+12+50 = 122 MiB for a peak of 86 held at once.
+const fragmentingTrace = `
+step 0 f 0
+a 1 31457280 0
+a 2 31457280 0
+a 3 12582912 0
+step 1 b 0
+r 1 1
+r 2 1
+a 4 52428800 1
+a 5 12582912 1
+a 6 12582912 1
+r 4 1
+out 0 0 3
+grad 0 0 5
+grad 0 1 6
+`
+
+func onePassProgram(t *testing.T) *lifetime.Program {
+	t.Helper()
+	p, err := schedule.Default(1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	facts := []lifetime.Facts{{
+		Inputs:     []lifetime.InputLeaf{{Sig: 0, RequiresGrad: true, Unique: true, Slottable: true}},
+		NPos:       1,
+		Outputs:    []lifetime.OutputLeaf{{Sig: 0, RequiresGrad: true}},
+		ParamGrads: []lifetime.ParamLeaf{{Index: 1, Param: 0, Sig: 1}},
+		Backward:   true,
+		Keys:       lifetime.Keys{Input: 0, Grad: 0},
+	}}
+	prog, err := lifetime.Capture(p, facts, lifetime.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return prog
+}
+
+func TestChooseSeed(t *testing.T) {
+	cases := []struct {
+		name           string
+		trace          string
+		passes         int
+		prog           func(*testing.T) *lifetime.Program
+		unseeded       int64
+		seeded         bool
+		reservedAtMost int64
+	}{
+		// Every block is 64 MiB or a 32 MiB grad: the segments the captures
+		// make are the blocks they hold at the peak, and no seed does better.
+		{"no fragmentation: no seed", twoLayerTrace, 2, func(t *testing.T) *lifetime.Program { return program(t, lifetime.Options{}) }, 384 * MiB, false, 384 * MiB},
+		// A seed holding both saved blocks lets them merge again for the
+		// transient: the best (61 MiB) makes the pool the peak, 86 MiB.
+		{"freed neighbours merge in the seed", fragmentingTrace, 1, onePassProgram, 122 * MiB, true, 86 * MiB},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			tr, err := ParseTrace(c.trace, c.passes)
+			if err != nil {
+				t.Fatal(err)
+			}
+			prog := c.prog(t)
+			base, err := Simulate(prog, tr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			best, err := ChooseSeed(prog, tr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("seed %d MiB: pool %d MiB (unseeded %d)", best.Seed/MiB, best.PoolReserved/MiB, base.PoolReserved/MiB)
+			if base.PoolReserved != c.unseeded {
+				t.Errorf("unseeded pool %d MiB, want %d\n%s", base.PoolReserved/MiB, c.unseeded/MiB, base.Encode())
+			}
+			if (best.Seed > 0) != c.seeded || best.PoolReserved > c.reservedAtMost || best.PoolReserved > base.PoolReserved {
+				t.Errorf("seed %d MiB: pool %d MiB; want seeded %v, at most %d", best.Seed/MiB, best.PoolReserved/MiB, c.seeded, c.reservedAtMost/MiB)
+			}
+			if best.Seed > base.PoolPeakAllocated {
+				t.Errorf("seed %d MiB, peak %d; the unseeded peak is %d", best.Seed/MiB, best.PoolPeakAllocated/MiB, base.PoolPeakAllocated/MiB)
+			}
+		})
+	}
 }
