@@ -136,9 +136,10 @@ func LivePlans() int { return store.Live() }
 // captured: the capture program PlanCapture returns for the same facts and
 // options, run over what one eager warmup iteration allocated (trace,
 // memplan.ParseTrace's format) through a model of the caching allocator.
-// It returns memplan.Result.Encode's text: the pool's reserved bytes, peak
-// and live allocation and segments, the warmup's own peak, and the pool
-// after each capture op.
+// It returns memplan.Result.Encode's text: the seed segment the build
+// carves before its captures (memplan.ChooseSeed; 0 when none makes the pool
+// smaller), the pool's reserved bytes, peak and live allocation and
+// segments, the warmup's own peak, and the pool after each capture op.
 func PlanMemory(plan int64, facts string, reuse, chain, release bool, trace string) (prediction string, err error) {
 	defer recoverPanic("plan_memory", &err)
 	p, prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
@@ -149,7 +150,7 @@ func PlanMemory(plan int64, facts string, reuse, chain, release bool, trace stri
 	if err != nil {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}
-	res, err := memplan.Simulate(prog, tr)
+	res, err := memplan.ChooseSeed(prog, tr)
 	if err != nil {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}

@@ -286,6 +286,7 @@ func (c *capture) replay(s Step, fwdPass int, res *Result) error {
 
 // Encode renders r as Python reads it:
 //
+//	seed BYTES                      the segment carved before the captures (0: none)
 //	pool RESERVED PEAK_ALLOCATED LIVE SEGMENTS
 //	warmup RESERVED PEAK_ALLOCATED
 //	op OP... RESERVED ALLOCATED     after each capture op
@@ -294,6 +295,7 @@ func (c *capture) replay(s Step, fwdPass int, res *Result) error {
 //	segments SIZE...                the pool's segments, in creation order
 func (r *Result) Encode() string {
 	var b strings.Builder
+	fmt.Fprintf(&b, "seed %d\n", r.Seed)
 	fmt.Fprintf(&b, "pool %d %d %d %d\n", r.PoolReserved, r.PoolPeakAllocated, r.PoolLive, r.PoolSegments)
 	fmt.Fprintf(&b, "warmup %d %d\n", r.WarmupReserved, r.WarmupAllocated)
 	for _, o := range r.Ops {

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import _args, _core, _observe, _plan, _recarve, _reuse
+from . import _args, _core, _observe, _plan, _probe, _recarve, _reuse, _torch
 from ._args import PassSpec, Request
 from ._captures import apply_separated, apply_slots, run_captures
 from ._shared_inputs import SharedInput, shared_inputs
@@ -73,7 +73,9 @@ class Build:
         self.current: PassState | PassSpec | None = None
         self.reuse: _reuse.BufferReuse | None = None
         self.stats: _observe.BuildStats | None = None
-        self.warm_pool: Hashable | None = None  # the pool warmup allocated in, while referenced
+        self.warm_pool: Hashable | None = None  # the pool warmup (or the seed) allocated in, while referenced
+        self.trace: str | None = None  # what warmup allocated, as the core's trace (CUDA, own pool)
+        self.seed = 0  # bytes carved in the pool before the first capture (the core's choice)
 
     def run(self) -> list[GraphedCallable]:
         rng = self.engine.get_rng_state()
@@ -88,6 +90,7 @@ class Build:
             self._create_passes()
             self._warmup()
             program, slots = self._plan_captures()
+            self._carve_seed()
             with _recarve.recording(self.engine, debug) as recorder:
                 run_captures(self, program, slots, recorder)
             self._end_warmup_in_pool()  # the captures hold the pool now
@@ -131,7 +134,8 @@ class Build:
             self.engine.release_cached()  # what the probe cached must not stay beside the pool
         with self.engine.warmup_context(pool):
             self.warm_pool = pool  # one pool reference, returned once the captures hold theirs
-            self._post_hook_on_error(run_warmup, self, program.ops, observer)
+            with self._allocation_trace(observer is None and pool is None, program.ops) as trace:
+                self._post_hook_on_error(run_warmup, self, program.ops, observer or trace)
             if req.post_warmup_hook is not None:
                 self.current = None  # a hook's error is not a callable's
                 req.post_warmup_hook()
@@ -173,6 +177,27 @@ class Build:
         outputs, st.warm_outputs = st.warm_outputs or (), None
         return bool(outputs) and all(o.dim() == 0 for o in outputs) and any(o.requires_grad for o in outputs)
 
+    @contextlib.contextmanager
+    def _allocation_trace(self, wanted: bool, ops: Sequence[_plan.Op]) -> Iterator[_probe.AllocationTrace | None]:
+        """Records what a warmup outside the pool allocates, as the core's trace (``self.trace``),
+        on the CUDA engine with the build's own pool, unless the process records allocator
+        history already (its buffer and settings are the caller's)."""
+        device = self.device
+        if not wanted or device is None or self.req.pool is not None or _torch.allocator_history_enabled():
+            yield None
+            return
+        with _probe.AllocationTrace(device) as rec:
+            yield rec
+        self.trace = rec.text(ops)
+
+    def _carve_seed(self) -> None:
+        """The seed segment the core chose goes into the build's own pool before the captures
+        (its reference is returned with the warmup's, once the captures hold theirs)."""
+        if self.seed > 0 and self.warm_pool is None and self.req.pool is None:
+            self.phase, self.current = "seed", None
+            if self.engine.carve_seed(self.pool, self.seed):
+                self.warm_pool = self.pool
+
     def _end_warmup_in_pool(self) -> None:
         pool, self.warm_pool = self.warm_pool, None
         if pool is not None:
@@ -183,13 +208,11 @@ class Build:
         self.phase, self.current = "buffer planning", None
         req, sigs = self.req, _reuse.Signatures()
         release = isinstance(self.engine, CudaEngine)
-        program = _plan.capture_program(
-            self.schedule,
-            _reuse.facts_text(self.states, sigs, req.clone_param_grads),
-            reuse=req.reuse,
-            chain=req.chain,
-            release=release,
-        )
+        facts = _reuse.facts_text(self.states, sigs, req.clone_param_grads)
+        program = _plan.capture_program(self.schedule, facts, reuse=req.reuse, chain=req.chain, release=release)
+        if self.trace is not None:  # the core models the captures over what warmup allocated
+            prediction = _core.plan_memory(self.schedule.handle, facts, req.reuse, req.chain, release, self.trace)
+            self.seed = _plan.prediction_seed(str(prediction))
         if req.reuse or req.chain:
             self.reuse = _reuse.BufferReuse.of(program, sigs)
             if not release:

@@ -37,6 +37,7 @@ __all__ = [
     "encode_order",
     "megatron_order",
     "plan_schedule",
+    "prediction_seed",
     "warmup_program",
 ]
 
@@ -255,6 +256,16 @@ class WarmupProgram:
 
     ops: tuple[Op, ...]
     in_pool: bool
+
+
+def prediction_seed(prediction: str) -> int:
+    """The ``seed`` line of the core's memory prediction (docs/CORE_API.md): the bytes a build
+    carves in its own graph pool before the first capture, 0 when none makes the pool smaller."""
+    for line in prediction.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == "seed":
+            return int(fields[1])
+    return 0
 
 
 def warmup_program(

@@ -213,6 +213,13 @@ class Engine(abc.ABC):
     def release_cached(self) -> None:  # noqa: B027 (optional: engines with device pools)
         """Gives the memory the allocator caches outside graph pools back to the device."""
 
+    def carve_seed(self, pool: Hashable, nbytes: int) -> bool:
+        """Allocates one block of ``nbytes`` in ``pool`` and frees it before the first capture
+        (engines with device pools), so the captures split their blocks out of that one free
+        segment. True when it took a pool reference (:meth:`end_warmup_in_pool` returns it);
+        an allocation the device cannot make is skipped, with the reference taken all the same."""
+        return False
+
     @abc.abstractmethod
     def rng_marker(self) -> Hashable:
         """A value that changes when the body consumes generator state captures must carry."""
@@ -458,6 +465,20 @@ class CudaEngine(Engine):
 
     def release_cached(self) -> None:
         _torch.empty_cache()  # the cuBLAS workspaces stay: torch holds them (per handle and stream)
+
+    def carve_seed(self, pool: Hashable, nbytes: int) -> bool:
+        torch.cuda.synchronize(self.device)
+        _torch.empty_cache()  # warmup's cached blocks go first: the seed is memory of its own
+        with _OnDevice(self.device_index), _OnStream(self.stream):  # the captures' stream
+            _torch.begin_allocate_to_pool(self.device_index, pool)  # one reference on the pool
+            try:
+                block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                del block
+            except torch.OutOfMemoryError:
+                log.info("gograph: no %.0f MiB for the graph pool's seed segment; capturing without", nbytes / 2**20)
+            finally:
+                _torch.end_allocate_to_pool(self.device_index, pool)
+        return True
 
     def rng_marker(self) -> Hashable:
         default = torch.cuda.default_generators[self.device_index].get_offset()

@@ -88,6 +88,9 @@ class PlanTotals:
     pool_live_bytes: int | None
     """What the pool's blocks hold once built: static outputs, grads, what graphs keep."""
     pool_segments: int | None
+    pool_seed_bytes: int | None
+    """The segment the build carves in its own pool before the first capture (0: none makes the
+    modelled pool smaller): the captures split their blocks out of it, so freed neighbours merge."""
     warmup_peak_reserved_bytes: int | None
     """What one warmup iteration reserves from nothing (cached free blocks may serve part)."""
     build_peak_bytes: int | None
@@ -205,6 +208,7 @@ def _assemble(engine: str, found: _probe.Probe, prediction: str | None) -> Memor
         pool_peak_allocated_bytes=pool.get("pool", [None, None])[1],
         pool_live_bytes=pool.get("pool", [None, None, None])[2],
         pool_segments=pool.get("pool", [None, None, None, None])[3],
+        pool_seed_bytes=pool.get("seed", [None])[0],
         warmup_peak_reserved_bytes=pool.get("warmup", [None])[0],
         build_peak_bytes=None if reserved is None else max(pool["warmup"][0], reserved + new),
         step_graph_bytes=None if reserved is None else reserved + new,
@@ -228,7 +232,7 @@ def _decode(prediction: str | None) -> dict[str, Any]:
         f = line.split()
         if not f:
             continue
-        if f[0] in ("pool", "warmup", "segments"):
+        if f[0] in ("pool", "warmup", "segments", "seed"):
             out[f[0]] = [int(x) for x in f[1:]]
         elif f[0] == "place":
             out.setdefault("place", {})[int(f[1])] = (int(f[2]), int(f[3]))

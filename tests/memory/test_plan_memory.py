@@ -171,8 +171,10 @@ def test_core_replays_the_trace_in_capture_order() -> None:
     finally:
         sched.free()
     lines = got.splitlines()
-    assert lines[0] == f"pool {4 * 64 * MiB} {4 * 64 * MiB} {2 * 64 * MiB} 4"  # two outputs stay
-    assert lines[1] == f"warmup {2 * 64 * MiB} {2 * 64 * MiB}"
+    assert lines[0] == "seed 0"  # every block is 64 MiB: the captures' segments are what they hold
+    assert _plan.prediction_seed(got) == 0
+    assert lines[1] == f"pool {4 * 64 * MiB} {4 * 64 * MiB} {2 * 64 * MiB} 4"  # two outputs stay
+    assert lines[2] == f"warmup {2 * 64 * MiB} {2 * 64 * MiB}"
     assert lines[-1] == f"segments {' '.join([str(64 * MiB)] * 4)}"
     assert [ln for ln in lines if ln.startswith("op ")] == [
         f"op F 0 {128 * MiB} {128 * MiB}", f"op F 1 {256 * MiB} {256 * MiB}",
@@ -200,3 +202,26 @@ def test_a_plan_frees_cublas_workspaces_only_where_no_graph_can_use_one(
     segments = [{"segment_pool_id": pool, "total_size": 2 * MiB} for pool in pools]
     assert _workspaces_unused_by_graphs(live_graphs, segments) is safe
     assert _workspaces_unused_by_graphs(live_graphs, [{"total_size": 1}]) is (live_graphs == 0)  # older snapshots
+
+
+def test_core_seeds_a_pool_whose_freed_blocks_could_not_merge() -> None:
+    """One pass: its forward saves two 30 MiB blocks and returns 12 MiB; its backward frees the
+    saved blocks and makes a 50 MiB transient and a 12 MiB grad. Captured a segment at a time
+    the two freed blocks cannot merge for the transient (122 MiB for 74 held at once); a seed
+    segment carved first holds them side by side, so they do."""
+    sched = _plan.plan_schedule(None, None, 1, 1, True, 1)
+    try:
+        facts = "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 0 1\n"
+        trace = "\n".join([
+            "step 0 f 0", "step 1 b 0", "step 2 x 0",
+            f"a 1 {30 * MiB} 0", f"a 2 {30 * MiB} 0", f"a 3 {12 * MiB} 0",
+            "r 1 1", "r 2 1", f"a 4 {50 * MiB} 1", f"a 5 {12 * MiB} 1", "r 4 1",
+            "out 0 0 3", "grad 0 0 5",
+        ])  # fmt: skip
+        got = _core.plan_memory(sched.handle, facts, False, False, False, trace)
+    finally:
+        sched.free()
+    seed = _plan.prediction_seed(got)
+    reserved, peak = (int(x) for x in got.splitlines()[1].split()[1:3])
+    assert 0 < seed <= 74 * MiB
+    assert peak == 74 * MiB and reserved < 122 * MiB and reserved <= peak + 2 * MiB, got

@@ -1,0 +1,43 @@
+"""The graph pool's seed segment on the H200: what the CUDA engine carves before a build's first
+capture is one free segment of the pool, and it goes back with the pool (the core's choice of
+its size is tested on the CPU: internal/memplan, tests/memory/test_plan_memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gograph
+
+pytestmark = pytest.mark.cuda
+
+MiB = 2**20
+
+
+def _settled(device: torch.device) -> tuple[int, int]:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+
+
+def test_a_seed_is_one_free_segment_of_the_pool_and_goes_back_with_it(cuda_device: torch.device) -> None:
+    engine = gograph.CudaEngine(cuda_device)
+    pool = engine.new_pool()
+    reserved, allocated = _settled(cuda_device)
+    assert engine.carve_seed(pool, 64 * MiB)  # one pool reference taken
+    assert torch.cuda.memory_reserved(cuda_device) - reserved == 64 * MiB
+    assert torch.cuda.memory_allocated(cuda_device) == allocated  # carved and freed
+    torch.cuda.empty_cache()  # a referenced pool keeps its free segment
+    assert torch.cuda.memory_reserved(cuda_device) - reserved == 64 * MiB
+    engine.end_warmup_in_pool(pool)  # the last reference: the segment goes at the next empty_cache
+    assert _settled(cuda_device) == (reserved, allocated)
+
+
+def test_a_seed_the_device_cannot_hold_is_skipped(cuda_device: torch.device) -> None:
+    engine = gograph.CudaEngine(cuda_device)
+    pool = engine.new_pool()
+    reserved, allocated = _settled(cuda_device)
+    total = torch.cuda.get_device_properties(cuda_device).total_memory
+    assert engine.carve_seed(pool, 2 * total)  # out of memory: skipped, the reference still taken
+    engine.end_warmup_in_pool(pool)
+    assert _settled(cuda_device) == (reserved, allocated)
