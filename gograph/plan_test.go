@@ -119,7 +119,7 @@ func TestPlanMemory(t *testing.T) {
 	facts := "pass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n"
 	trace := "step 0 f 0\na 1 67108864 0\na 2 67108864 0\nstep 1 b 0\nr 1 1\na 3 67108864 1\nstep 2 x 0\nr 2 -1\nr 3 -1\nout 0 0 2\ngrad 0 0 3\n"
 	got, err := PlanMemory(h, facts, false, false, true, trace)
-	if err != nil || !strings.HasPrefix(got, "seed 0\npool 134217728 134217728 134217728 2\nwarmup 134217728 134217728\nop F 0 134217728 134217728\n") {
+	if err != nil || !strings.HasPrefix(got, "seed 0\npool 134217728 134217728 134217728 2\nwarmup 134217728 134217728 0\nop F 0 134217728 134217728\n") {
 		t.Errorf("PlanMemory = %q, %v", got, err)
 	}
 	for _, bad := range []struct {

@@ -130,8 +130,13 @@ type Result struct {
 	PoolSegments      int64
 	WarmupReserved    int64 // segments one warmup iteration needs in a fresh pool
 	WarmupAllocated   int64 // its peak allocated
-	Ops               []OpMemory
-	Unrecorded        []int // passes with a captured graph but no recorded warmup step
+	// WarmupKept is what the warmup allocated and never freed (caches made
+	// on first use: the cuBLAS workspaces of the captures' stream, one per
+	// handle), as the segments holding it once the allocator's cache is
+	// emptied: it stays reserved beside the graph pool through the captures.
+	WarmupKept int64
+	Ops        []OpMemory
+	Unrecorded []int // passes with a captured graph but no recorded warmup step
 	// Places of the blocks that hold outputs and grads (by the trace's
 	// block id), when the capture allocated them: buffers at one place are
 	// one storage, re-carved once the earlier one was released.
@@ -205,6 +210,15 @@ func warmup(tr *Trace, res *Result) error {
 		}
 	}
 	res.WarmupReserved, res.WarmupAllocated = pool.PeakReserved(), pool.PeakAllocated()
+	kept := allocsim.New() // the blocks still live, alone: the segments empty_cache leaves
+	for _, e := range tr.Events {
+		if !e.Free && pool.Live(e.ID) {
+			if err := kept.Alloc(e.ID, e.Bytes); err != nil {
+				return fmt.Errorf("warmup's kept blocks: %w", err)
+			}
+		}
+	}
+	res.WarmupKept = kept.Reserved()
 	return nil
 }
 
@@ -288,7 +302,7 @@ func (c *capture) replay(s Step, fwdPass int, res *Result) error {
 //
 //	seed BYTES                      the segment carved before the captures (0: none)
 //	pool RESERVED PEAK_ALLOCATED LIVE SEGMENTS
-//	warmup RESERVED PEAK_ALLOCATED
+//	warmup RESERVED PEAK_ALLOCATED KEPT
 //	op OP... RESERVED ALLOCATED     after each capture op
 //	unrecorded P                    a pass whose graph had no recorded warmup step
 //	place ID SEGMENT OFFSET         where the capture put block ID (an output or a grad)
@@ -297,7 +311,7 @@ func (r *Result) Encode() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d\n", r.Seed)
 	fmt.Fprintf(&b, "pool %d %d %d %d\n", r.PoolReserved, r.PoolPeakAllocated, r.PoolLive, r.PoolSegments)
-	fmt.Fprintf(&b, "warmup %d %d\n", r.WarmupReserved, r.WarmupAllocated)
+	fmt.Fprintf(&b, "warmup %d %d %d\n", r.WarmupReserved, r.WarmupAllocated, r.WarmupKept)
 	for _, o := range r.Ops {
 		fmt.Fprintf(&b, "op %s %d %d\n", o.Op, o.Reserved, o.Allocated)
 	}
@@ -337,8 +351,12 @@ func ChooseSeed(prog *lifetime.Program, tr *Trace) (*Result, error) {
 		return nil, err
 	}
 	peak := best.PoolPeakAllocated
+	// No pool is smaller than its peak allocated, in whole 2 MiB: a pool
+	// there already has nothing to gain (most small builds), and the search
+	// stops once a seed reaches it.
+	floor := allocsim.RoundLarge * ((peak + allocsim.RoundLarge - 1) / allocsim.RoundLarge)
 	step := max(allocsim.RoundLarge, peak/2/seedSteps)
-	for seed := peak / 2; seed <= peak; seed += step {
+	for seed := peak / 2; seed <= peak && best.PoolReserved > floor; seed += step {
 		res, err := SimulateSeeded(prog, tr, seed)
 		if err != nil {
 			return nil, err

@@ -288,3 +288,33 @@ func TestChooseSeed(t *testing.T) {
 		})
 	}
 }
+
+func TestWarmupKept(t *testing.T) {
+	cases := []struct {
+		name  string
+		trace string
+		kept  int64
+	}{
+		{"everything freed", "step 0 f 0\na 1 1048576 0\na 2 8388608 0\nr 1 0\nr 2 0\n", 0},
+		// The capture stream's cuBLAS workspace (32 MiB, a segment of its own)
+		// and cuBLASLt's (1 MiB: a 2 MiB small-pool segment) outlive warmup.
+		{"cuBLAS workspaces", "step 0 f 0\na 1 33554432 -1\na 2 1048576 0\na 3 8388608 0\nr 3 0\n", 34 * MiB},
+		// A 4 MiB block left behind keeps the 20 MiB segment it was split from.
+		{"a mid-size block keeps its segment", "step 0 f 0\na 1 4194304 0\na 2 4194304 0\nr 2 0\n", 20 * MiB},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			tr, err := ParseTrace(c.trace, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := Simulate(&lifetime.Program{}, tr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.WarmupKept != c.kept {
+				t.Errorf("kept %d MiB, want %d", res.WarmupKept/MiB, c.kept/MiB)
+			}
+		})
+	}
+}

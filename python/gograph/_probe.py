@@ -30,7 +30,7 @@ from .engines import CudaEngine
 if TYPE_CHECKING:  # pragma: no cover
     from ._build import Build
 
-__all__ = ["AllocationTrace", "Probe", "WarmupSizes", "op_spans", "probe", "trace_text"]
+__all__ = ["AllocationTrace", "CountedTrace", "Probe", "WarmupSizes", "op_spans", "probe", "trace_text"]
 
 log = logging.getLogger("gograph")
 
@@ -109,6 +109,11 @@ class AllocationTrace(WarmupSizes):
     def op(self, i: int) -> None:
         self.marks.append(len(self._device_entries()))
 
+    @property
+    def complete(self) -> bool:
+        """Whether ``marks`` cut ``entries`` where the ops began (always, read from snapshots)."""
+        return True
+
     def forward(self, i: int, st: PassState) -> None:
         if st.index not in self.outputs and st.warm_outputs is not None:
             self.out_addrs += [(i, st.index, k, _addr(o)) for k, o in enumerate(st.warm_outputs)]
@@ -126,6 +131,54 @@ class AllocationTrace(WarmupSizes):
     def text(self, ops: Sequence[_plan.Op]) -> str:
         """The core's trace of the recorded warmup (``ops``: the warmup program it ran)."""
         return trace_text(ops, self.entries, self.marks, self.incoming, self.out_addrs, self.grad_addrs)
+
+
+class CountedTrace(AllocationTrace):
+    """:class:`AllocationTrace` for a build's warmup, marking ops by the allocator's event
+    counters instead of a history snapshot per op (which costs the length of the history each
+    time: quadratic over a pipeline's warmup), and recording only up to op ``until`` (the first
+    warmup iteration: captures replay what each op allocated the first time). The history holds
+    one ``alloc`` per allocation and one ``free_completed`` per free; a free the allocator defers
+    past a mark (a tensor used on another stream) breaks that count, and :attr:`complete` says
+    so -- the trace is then not the warmup's, and a build plans without it."""
+
+    def __init__(self, device: torch.device, until: int | None = None) -> None:
+        super().__init__(device)
+        self.until = until
+        self._count0 = (0, 0)
+        self._counted = (-1, -1)
+        self._recording = False
+
+    def __enter__(self) -> CountedTrace:
+        super().__enter__()
+        self._count0, self._recording = self._events(), True
+        return self
+
+    def _events(self) -> tuple[int, int]:
+        counts = _torch.memory_stats(self.device.index or 0)["allocation"]["all"]
+        return int(counts["allocated"]), int(counts["freed"])
+
+    def op(self, i: int) -> None:
+        if not self._recording:
+            return
+        allocs, frees = self._events()
+        self.marks.append(self._base + allocs - self._count0[0] + frees - self._count0[1])
+        if self.until is not None and i >= self.until:
+            self._stop()
+
+    def _stop(self) -> None:
+        allocs, frees = self._events()
+        self._counted, self._recording = (allocs - self._count0[0], frees - self._count0[1]), False
+        super().__exit__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._recording:
+            self._stop()
+
+    @property
+    def complete(self) -> bool:
+        actions = [e.get("action") for e in self.entries]
+        return (actions.count("alloc"), actions.count("free_completed")) == self._counted
 
 
 def op_spans(

@@ -174,7 +174,7 @@ def test_core_replays_the_trace_in_capture_order() -> None:
     assert lines[0] == "seed 0"  # every block is 64 MiB: the captures' segments are what they hold
     assert _plan.prediction_seed(got) == 0
     assert lines[1] == f"pool {4 * 64 * MiB} {4 * 64 * MiB} {2 * 64 * MiB} 4"  # two outputs stay
-    assert lines[2] == f"warmup {2 * 64 * MiB} {2 * 64 * MiB}"
+    assert lines[2] == f"warmup {2 * 64 * MiB} {2 * 64 * MiB} 0"  # every block freed: nothing kept
     assert lines[-1] == f"segments {' '.join([str(64 * MiB)] * 4)}"
     assert [ln for ln in lines if ln.startswith("op ")] == [
         f"op F 0 {128 * MiB} {128 * MiB}", f"op F 1 {256 * MiB} {256 * MiB}",
@@ -225,3 +225,19 @@ def test_core_seeds_a_pool_whose_freed_blocks_could_not_merge() -> None:
     reserved, peak = (int(x) for x in got.splitlines()[1].split()[1:3])
     assert 0 < seed <= 74 * MiB
     assert peak == 74 * MiB and reserved < 122 * MiB and reserved <= peak + 2 * MiB, got
+
+
+@pytest.mark.parametrize(
+    "warmup, expected",
+    [
+        ((300 * MiB, 280 * MiB, 0), 300 * MiB),  # warmup's high-water is the build's peak
+        ((150 * MiB, 140 * MiB, 0), 198 * MiB),  # the pool + new buffers
+        ((150 * MiB, 140 * MiB, 66 * MiB), 264 * MiB),  # + two 32 MiB workspaces and cuBLASLt's
+    ],
+)
+def test_the_build_peak_counts_what_warmup_keeps_beside_the_pool(warmup: tuple[int, int, int], expected: int) -> None:
+    from gograph.planning import _build_peak, _decode
+
+    prediction = f"seed 0\npool {190 * MiB} {186 * MiB} {48 * MiB} 3\nwarmup {' '.join(map(str, warmup))}\nsegments 1\n"
+    assert _build_peak(_decode(prediction), 8 * MiB) == expected
+    assert _build_peak(_decode(None), 8 * MiB) is None

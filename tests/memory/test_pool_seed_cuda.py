@@ -41,3 +41,30 @@ def test_a_seed_the_device_cannot_hold_is_skipped(cuda_device: torch.device) -> 
     assert engine.carve_seed(pool, 2 * total)  # out of memory: skipped, the reference still taken
     engine.end_warmup_in_pool(pool)
     assert _settled(cuda_device) == (reserved, allocated)
+
+
+@pytest.mark.parametrize("until", [None, 2])
+def test_counted_marks_cut_the_history_where_a_snapshot_would(cuda_device: torch.device, until: int | None) -> None:
+    from gograph._probe import CountedTrace
+
+    expected: list[int] = []
+    with CountedTrace(cuda_device, until) as rec:
+        base = len(rec._device_entries())
+        for i in range(5):
+            rec.op(i)
+            if until is None or i <= until:
+                expected.append(len(rec._device_entries()) - base)
+            if i == 4:
+                break
+            x = torch.randn(256 * (i + 1), 1024, device=cuda_device)
+            y = (x @ x.T).relu()
+            del x
+            keep = y.sum()
+            del y
+        if until is not None:  # recording stopped at op ``until``: the history is the ops before
+            assert not torch._C._cuda_isHistoryEnabled()
+    assert keep.item() > 0
+    assert rec.marks == expected
+    assert rec.complete
+    assert len(rec.entries) == expected[-1]
+    assert sum(e["action"] == "alloc" for e in rec.entries) >= 4 * (until or 4)  # randn, matmul, relu, sum
