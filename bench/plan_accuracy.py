@@ -88,7 +88,7 @@ def run_cell(name: str, arm: str, steps: int, small: bool, detail: bool = False)
         "step_graph": [t.step_graph_bytes, (rt.pool_reserved_bytes or 0) + t.new_buffer_bytes],
         "pool_peak_allocated": t.pool_peak_allocated_bytes,
         "warmup_reserved": t.warmup_peak_reserved_bytes,
-        "warmup_kept": t.warmup_kept_bytes,
+        "outside_pool": t.outside_pool_bytes,
         **(
             {}
             if after_ops is None

@@ -45,6 +45,7 @@ type Trace struct {
 	Events  []Event
 	Outputs map[[2]int]int // (pass, output) -> block
 	Grads   map[[2]int]int // (pass, static-surface index) -> block
+	New     []int64        // buffers the build allocates outside the pool
 }
 
 // ParseTrace parses a trace as Python sends it, one item per line:
@@ -54,6 +55,7 @@ type Trace struct {
 //	r ID I           block ID freed during op I
 //	out P K ID       output K of pass P is block ID
 //	grad P J ID      the grad at static-surface index J of pass P is block ID
+//	new BYTES        a buffer of BYTES the build allocates outside the pool
 func ParseTrace(s string, passes int) (*Trace, error) {
 	tr := &Trace{Outputs: map[[2]int]int{}, Grads: map[[2]int]int{}}
 	for n, line := range strings.Split(strings.TrimSpace(s), "\n") {
@@ -69,9 +71,9 @@ func ParseTrace(s string, passes int) (*Trace, error) {
 }
 
 func (tr *Trace) parseLine(f []string, passes int) error {
-	want, ok := map[string]int{"step": 4, "a": 4, "r": 3, "out": 4, "grad": 4}[f[0]]
+	want, ok := map[string]int{"step": 4, "a": 4, "r": 3, "out": 4, "grad": 4, "new": 2}[f[0]]
 	if !ok || len(f) != want {
-		return fmt.Errorf(`want "step I K P", "a ID BYTES I", "r ID I", "out P K ID" or "grad P J ID"`)
+		return fmt.Errorf(`want "step I K P", "a ID BYTES I", "r ID I", "out P K ID", "grad P J ID" or "new BYTES"`)
 	}
 	if f[0] == "step" {
 		i, err1 := strconv.Atoi(f[1])
@@ -91,6 +93,11 @@ func (tr *Trace) parseLine(f []string, passes int) error {
 		v[i] = x
 	}
 	switch f[0] {
+	case "new":
+		if v[0] < 0 {
+			return fmt.Errorf("a new buffer of %d bytes", v[0])
+		}
+		tr.New = append(tr.New, v[0])
 	case "a":
 		if v[0] < 0 || v[1] < 0 || v[2] >= int64(len(tr.Steps)) {
 			return fmt.Errorf("allocation of block %d, %d bytes, in step %d (of %d)", v[0], v[1], v[2], len(tr.Steps))
@@ -130,11 +137,12 @@ type Result struct {
 	PoolSegments      int64
 	WarmupReserved    int64 // segments one warmup iteration needs in a fresh pool
 	WarmupAllocated   int64 // its peak allocated
-	// WarmupKept is what the warmup allocated and never freed (caches made
-	// on first use: the cuBLAS workspaces of the captures' stream, one per
-	// handle), as the segments holding it once the allocator's cache is
-	// emptied: it stays reserved beside the graph pool through the captures.
-	WarmupKept int64
+	// Outside is what stays reserved beside the graph pool through the
+	// captures, as segments of the default pool once its cache is emptied:
+	// what warmup allocated and never freed (caches made on first use: the
+	// cuBLAS workspaces of the captures' stream, one per handle) and the
+	// build's new buffers (Trace.New).
+	Outside    int64
 	Ops        []OpMemory
 	Unrecorded []int // passes with a captured graph but no recorded warmup step
 	// Places of the blocks that hold outputs and grads (by the trace's
@@ -210,15 +218,20 @@ func warmup(tr *Trace, res *Result) error {
 		}
 	}
 	res.WarmupReserved, res.WarmupAllocated = pool.PeakReserved(), pool.PeakAllocated()
-	kept := allocsim.New() // the blocks still live, alone: the segments empty_cache leaves
+	outside := allocsim.New() // the blocks still live, alone: the segments empty_cache leaves
 	for _, e := range tr.Events {
 		if !e.Free && pool.Live(e.ID) {
-			if err := kept.Alloc(e.ID, e.Bytes); err != nil {
+			if err := outside.Alloc(e.ID, e.Bytes); err != nil {
 				return fmt.Errorf("warmup's kept blocks: %w", err)
 			}
 		}
 	}
-	res.WarmupKept = kept.Reserved()
+	for i, n := range tr.New { // ids past every trace block's
+		if err := outside.Alloc(-1-i, n); err != nil {
+			return fmt.Errorf("new buffer %d: %w", i, err)
+		}
+	}
+	res.Outside = outside.Reserved()
 	return nil
 }
 
@@ -302,7 +315,7 @@ func (c *capture) replay(s Step, fwdPass int, res *Result) error {
 //
 //	seed BYTES                      the segment carved before the captures (0: none)
 //	pool RESERVED PEAK_ALLOCATED LIVE SEGMENTS
-//	warmup RESERVED PEAK_ALLOCATED KEPT
+//	warmup RESERVED PEAK_ALLOCATED OUTSIDE
 //	op OP... RESERVED ALLOCATED     after each capture op
 //	unrecorded P                    a pass whose graph had no recorded warmup step
 //	place ID SEGMENT OFFSET         where the capture put block ID (an output or a grad)
@@ -311,7 +324,7 @@ func (r *Result) Encode() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d\n", r.Seed)
 	fmt.Fprintf(&b, "pool %d %d %d %d\n", r.PoolReserved, r.PoolPeakAllocated, r.PoolLive, r.PoolSegments)
-	fmt.Fprintf(&b, "warmup %d %d %d\n", r.WarmupReserved, r.WarmupAllocated, r.WarmupKept)
+	fmt.Fprintf(&b, "warmup %d %d %d\n", r.WarmupReserved, r.WarmupAllocated, r.Outside)
 	for _, o := range r.Ops {
 		fmt.Fprintf(&b, "op %s %d %d\n", o.Op, o.Reserved, o.Allocated)
 	}

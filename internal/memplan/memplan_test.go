@@ -289,7 +289,7 @@ func TestChooseSeed(t *testing.T) {
 	}
 }
 
-func TestWarmupKept(t *testing.T) {
+func TestOutside(t *testing.T) {
 	cases := []struct {
 		name  string
 		trace string
@@ -301,6 +301,11 @@ func TestWarmupKept(t *testing.T) {
 		{"cuBLAS workspaces", "step 0 f 0\na 1 33554432 -1\na 2 1048576 0\na 3 8388608 0\nr 3 0\n", 34 * MiB},
 		// A 4 MiB block left behind keeps the 20 MiB segment it was split from.
 		{"a mid-size block keeps its segment", "step 0 f 0\na 1 4194304 0\na 2 4194304 0\nr 2 0\n", 20 * MiB},
+		// An 8 MiB grad-output buffer outside the pool takes a 20 MiB segment; a
+		// second one shares it.
+		{"new buffers", "step 0 f 0\nnew 8388608\n", 20 * MiB},
+		{"two new buffers share a segment", "step 0 f 0\nnew 8388608\nnew 8388608\n", 20 * MiB},
+		{"new buffers beside a workspace", "step 0 f 0\na 1 33554432 -1\nnew 33554432\n", 64 * MiB},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -312,8 +317,8 @@ func TestWarmupKept(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if res.WarmupKept != c.kept {
-				t.Errorf("kept %d MiB, want %d", res.WarmupKept/MiB, c.kept/MiB)
+			if res.Outside != c.kept {
+				t.Errorf("outside %d MiB, want %d", res.Outside/MiB, c.kept/MiB)
 			}
 		})
 	}

@@ -134,7 +134,7 @@ class Build:
             self.engine.release_cached()  # what the probe cached must not stay beside the pool
         with self.engine.warmup_context(pool):
             self.warm_pool = pool  # one pool reference, returned once the captures hold theirs
-            with self._allocation_trace(observer is None and pool is None, program.ops, hooks, whole) as trace:
+            with self._allocation_trace(observer is None and pool is None, program.ops) as trace:
                 self._post_hook_on_error(run_warmup, self, program.ops, observer or trace)
             if req.post_warmup_hook is not None:
                 self.current = None  # a hook's error is not a callable's
@@ -178,24 +178,19 @@ class Build:
         return bool(outputs) and all(o.dim() == 0 for o in outputs) and any(o.requires_grad for o in outputs)
 
     @contextlib.contextmanager
-    def _allocation_trace(
-        self, wanted: bool, ops: Sequence[_plan.Op], hooks: bool, whole: bool
-    ) -> Iterator[_probe.AllocationTrace | None]:
+    def _allocation_trace(self, wanted: bool, ops: Sequence[_plan.Op]) -> Iterator[_probe.AllocationTrace | None]:
         """Records what a warmup outside the pool allocates, as the core's trace (``self.trace``),
         on the CUDA engine with the build's own pool, unless the process records allocator
-        history already (its buffer and settings are the caller's). When ``ops`` start with one
-        iteration's program (``hooks``, ``whole``: as ``ops`` were planned), only that iteration
-        is recorded: the captures replay what each op allocated the first time."""
+        history already (its buffer and settings are the caller's): the ops up to the last
+        first one (the captures replay what each op allocated the first time)."""
         device = self.device
         if not wanted or device is None or self.req.pool is not None or _torch.allocator_history_enabled():
             yield None
             return
-        first = _plan.warmup_program(self.schedule, 1, hooks, whole, True).ops
-        until = len(first) if tuple(ops[: len(first)]) == tuple(first) else len(ops)
-        with _probe.CountedTrace(device, until) as rec:
+        with _probe.CountedTrace(device, ops) as rec:
             yield rec
         if rec.complete:
-            self.trace = rec.text(ops[:until])
+            self.trace = rec.text(ops[: rec.until])
         else:
             log.debug("gograph: a free deferred past a warmup op; planning without the pool seed")
 

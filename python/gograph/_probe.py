@@ -30,7 +30,7 @@ from .engines import CudaEngine
 if TYPE_CHECKING:  # pragma: no cover
     from ._build import Build
 
-__all__ = ["AllocationTrace", "CountedTrace", "Probe", "WarmupSizes", "op_spans", "probe", "trace_text"]
+__all__ = ["AllocationTrace", "CountedTrace", "Probe", "WarmupSizes", "first_ops", "op_spans", "probe", "trace_text"]
 
 log = logging.getLogger("gograph")
 
@@ -136,15 +136,20 @@ class AllocationTrace(WarmupSizes):
 class CountedTrace(AllocationTrace):
     """:class:`AllocationTrace` for a build's warmup, marking ops by the allocator's event
     counters instead of a history snapshot per op (which costs the length of the history each
-    time: quadratic over a pipeline's warmup), and recording only up to op ``until`` (the first
-    warmup iteration: captures replay what each op allocated the first time). The history holds
-    one ``alloc`` per allocation and one ``free_completed`` per free; a free the allocator defers
-    past a mark (a tensor used on another stream) breaks that count, and :attr:`complete` says
-    so -- the trace is then not the warmup's, and a build plans without it."""
+    time: quadratic over a pipeline's warmup), and only where the core reads them: the captures
+    replay what each (kind, pass) allocated the first time (``first_ops``), so the history stops
+    after the last first op, and a repeated op's events join the next repeated op's span (the
+    core ignores both). The history holds one ``alloc`` per allocation and one ``free_completed``
+    per free; a free the allocator defers past a mark (a tensor used on another stream) breaks
+    that count, and :attr:`complete` says so -- the trace is then not the warmup's, and a build
+    plans without it."""
 
-    def __init__(self, device: torch.device, until: int | None = None) -> None:
+    def __init__(self, device: torch.device, ops: Sequence[_plan.Op] | None = None) -> None:
         super().__init__(device)
-        self.until = until
+        self.exact: set[int] | None = None  # every op's mark is exact without a program
+        self.until: int | None = None
+        if ops is not None:
+            self.exact, self.until = first_ops(ops)
         self._count0 = (0, 0)
         self._counted = (-1, -1)
         self._recording = False
@@ -160,6 +165,9 @@ class CountedTrace(AllocationTrace):
 
     def op(self, i: int) -> None:
         if not self._recording:
+            return
+        if self.exact is not None and i not in self.exact and self.marks:
+            self.marks.append(self.marks[-1])
             return
         allocs, frees = self._events()
         self.marks.append(self._base + allocs - self._count0[0] + frees - self._count0[1])
@@ -179,6 +187,17 @@ class CountedTrace(AllocationTrace):
     def complete(self) -> bool:
         actions = [e.get("action") for e in self.entries]
         return (actions.count("alloc"), actions.count("free_completed")) == self._counted
+
+
+def first_ops(ops: Sequence[_plan.Op]) -> tuple[set[int], int]:
+    """Where a warmup program's marks must be exact -- at each first (kind, pass) op and right
+    after it -- and the op after the last first one (where the recording may stop)."""
+    first: dict[tuple[str, int], int] = {}
+    for i, op in enumerate(ops):
+        first.setdefault((op.kind, op.pass_index), i)
+    firsts = sorted(first.values())
+    last = firsts[-1] + 1 if firsts else 0
+    return {j for i in firsts for j in (i, i + 1)}, last
 
 
 def op_spans(

@@ -130,3 +130,11 @@ def distinct(passes: Sequence[PassBytes], attr: str = "") -> int:
             for cat in pb.by_category.values():
                 seen.update(cat)
     return sum(seen.values())
+
+
+def new_sizes(passes: Sequence[PassBytes]) -> list[int]:
+    """Sizes of the distinct buffers the build allocates outside the pool, in pass order."""
+    seen: dict[_Key, int] = {}
+    for pb in passes:
+        seen.update(pb.new)
+    return list(seen.values())

@@ -93,13 +93,14 @@ class PlanTotals:
     modelled pool smaller): the captures split their blocks out of it, so freed neighbours merge."""
     warmup_peak_reserved_bytes: int | None
     """What one warmup iteration reserves from nothing (cached free blocks may serve part)."""
-    warmup_kept_bytes: int | None
-    """What warmup makes on first use and the process keeps (the cuBLAS workspaces of the
-    captures' stream, one per handle: the forward's thread and autograd's), as the segments
-    holding it: reserved beside the pool from warmup on. 0 when they exist already."""
+    outside_pool_bytes: int | None
+    """The segments beside the pool through the captures: what warmup makes on first use and the
+    process keeps (the captures' stream's cuBLAS workspaces, one per handle: the forward's thread
+    and autograd's; none when they exist already) and the new buffers (an 8 MiB buffer takes a
+    20 MiB segment)."""
     build_peak_bytes: int | None
-    """The most ``make_graphed_callables`` adds to reserved memory: warmup, or what warmup keeps +
-    pool + new buffers."""
+    """The most ``make_graphed_callables`` adds to reserved memory: warmup, or the pool and the
+    segments beside it."""
     step_graph_bytes: int | None
     """What the graphs hold through a training step (pool + new buffers); a step's peak is this
     plus what the caller's own code allocates (batch, loss, optimizer, ``.grad``)."""
@@ -151,11 +152,11 @@ def plan_memory(
     with prepared(req) as build:
         found = _probe.probe(build)
         handle = build.schedule.handle
-        prediction = (
-            None
-            if found.trace is None
-            else str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, found.trace))
-        )
+        prediction = None
+        if found.trace is not None:  # the buffers outside the pool share its segments with warmup's caches
+            new = "".join(f"new {n}\n" for n in _static_bytes.new_sizes(_static_bytes.count(found)))
+            trace = found.trace + new
+            prediction = str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, trace))
     engine = build.engine
     if isinstance(engine, CudaEngine):
         _leave_allocator_as_found(engine, allocated)
@@ -215,8 +216,8 @@ def _assemble(engine: str, found: _probe.Probe, prediction: str | None) -> Memor
         pool_segments=pool.get("pool", [None, None, None, None])[3],
         pool_seed_bytes=pool.get("seed", [None])[0],
         warmup_peak_reserved_bytes=pool.get("warmup", [None])[0],
-        warmup_kept_bytes=pool.get("warmup", [None, None, None])[2],
-        build_peak_bytes=_build_peak(pool, new),
+        outside_pool_bytes=pool.get("warmup", [None, None, None])[2],
+        build_peak_bytes=_build_peak(pool),
         step_graph_bytes=None if reserved is None else reserved + new,
     )
     return MemoryPlan(
@@ -228,14 +229,14 @@ def _assemble(engine: str, found: _probe.Probe, prediction: str | None) -> Memor
     )
 
 
-def _build_peak(pool: Mapping[str, Any], new: int) -> int | None:
-    """The most a build adds to reserved memory (``pool``: the decoded prediction; ``new``: its
-    buffers outside the pool): warmup's own high-water, or -- once its cache is emptied for the
-    first capture -- what warmup kept (cuBLAS workspaces) beside the pool and the new buffers."""
+def _build_peak(pool: Mapping[str, Any]) -> int | None:
+    """The most a build adds to reserved memory (``pool``: the decoded prediction): warmup's own
+    high-water, or -- once its cache is emptied for the first capture -- the pool and the
+    segments beside it (what warmup kept, such as cuBLAS workspaces, and the new buffers)."""
     if "pool" not in pool:
         return None
-    reserved, (warmup, _, kept) = pool["pool"][0], pool["warmup"]
-    return int(max(warmup, kept + reserved + new))
+    reserved, (warmup, _, outside) = pool["pool"][0], pool["warmup"]
+    return int(max(warmup, outside + reserved))
 
 
 def _decode(prediction: str | None) -> dict[str, Any]:
@@ -294,8 +295,8 @@ def _format(plan: MemoryPlan) -> str:
     out += [
         f"graph pool: {fmt_bytes(t.pool_reserved_bytes)} reserved in {t.pool_segments} segment(s), at most "
         f"{fmt_bytes(t.pool_peak_allocated_bytes)} allocated, {fmt_bytes(t.pool_live_bytes)} live once built",
-        f"warmup: {fmt_bytes(t.warmup_peak_reserved_bytes)} reserved, {fmt_bytes(t.warmup_kept_bytes)} of it kept "
-        f"(cuBLAS workspaces); make_graphed_callables adds at most "
+        f"warmup: {fmt_bytes(t.warmup_peak_reserved_bytes)} reserved; beside the pool "
+        f"{fmt_bytes(t.outside_pool_bytes)} (cuBLAS workspaces, new buffers); make_graphed_callables adds at most "
         f"{fmt_bytes(t.build_peak_bytes)}; the graphs hold {fmt_bytes(t.step_graph_bytes)} through a training step "
         "(plus the caller's batch, loss, optimizer and .grad)",
     ]

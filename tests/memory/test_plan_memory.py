@@ -230,14 +230,32 @@ def test_core_seeds_a_pool_whose_freed_blocks_could_not_merge() -> None:
 @pytest.mark.parametrize(
     "warmup, expected",
     [
-        ((300 * MiB, 280 * MiB, 0), 300 * MiB),  # warmup's high-water is the build's peak
-        ((150 * MiB, 140 * MiB, 0), 198 * MiB),  # the pool + new buffers
-        ((150 * MiB, 140 * MiB, 66 * MiB), 264 * MiB),  # + two 32 MiB workspaces and cuBLASLt's
+        ((300 * MiB, 280 * MiB, 20 * MiB), 300 * MiB),  # warmup's high-water is the build's peak
+        ((150 * MiB, 140 * MiB, 20 * MiB), 210 * MiB),  # the pool + an 8 MiB buffer's 20 MiB segment
+        ((150 * MiB, 140 * MiB, 86 * MiB), 276 * MiB),  # + two 32 MiB workspaces and cuBLASLt's
     ],
 )
-def test_the_build_peak_counts_what_warmup_keeps_beside_the_pool(warmup: tuple[int, int, int], expected: int) -> None:
+def test_the_build_peak_counts_the_segments_beside_the_pool(warmup: tuple[int, int, int], expected: int) -> None:
     from gograph.planning import _build_peak, _decode
 
     prediction = f"seed 0\npool {190 * MiB} {186 * MiB} {48 * MiB} 3\nwarmup {' '.join(map(str, warmup))}\nsegments 1\n"
-    assert _build_peak(_decode(prediction), 8 * MiB) == expected
-    assert _build_peak(_decode(None), 8 * MiB) is None
+    assert _build_peak(_decode(prediction)) == expected
+    assert _build_peak(_decode(None)) is None
+
+
+@pytest.mark.parametrize(
+    "program, exact, until",
+    [
+        ("", set(), 0),
+        ("f0 b0", {0, 1, 2}, 2),
+        # torch's per-callable loop, 2 iterations: each callable's second round repeats its first
+        ("f0 b0 f0 b0 f1 b1 f1 b1", {0, 1, 2, 4, 5, 6}, 6),
+        # schedule order, 2 iterations: the second iteration is all repeats
+        ("f0 f1 b1 b0 f0 f1 b1 b0", {0, 1, 2, 3, 4}, 4),
+    ],
+)
+def test_a_warmup_trace_marks_each_first_op_and_stops_after_the_last(program: str, exact: set[int], until: int) -> None:
+    from gograph._probe import first_ops
+
+    ops = [_plan.Op(op[0], int(op[1:])) for op in program.split()]
+    assert first_ops(ops) == (exact, until)

@@ -45,15 +45,18 @@ def test_a_seed_the_device_cannot_hold_is_skipped(cuda_device: torch.device) -> 
 
 @pytest.mark.parametrize("until", [None, 2])
 def test_counted_marks_cut_the_history_where_a_snapshot_would(cuda_device: torch.device, until: int | None) -> None:
+    from gograph._plan import Op
     from gograph._probe import CountedTrace
 
+    # With a program, ops 2 and 3 repeat op 0: the history stops at op 2.
+    ops = None if until is None else [Op("f", 0), Op("f", 1), Op("f", 0), Op("f", 0)]
     expected: list[int] = []
-    with CountedTrace(cuda_device, until) as rec:
+    with CountedTrace(cuda_device, ops) as rec:
         base = len(rec._device_entries())
         for i in range(5):
-            rec.op(i)
-            if until is None or i <= until:
+            if until is None or i <= until:  # read before the mark: recording stops at op ``until``
                 expected.append(len(rec._device_entries()) - base)
+            rec.op(i)
             if i == 4:
                 break
             x = torch.randn(256 * (i + 1), 1024, device=cuda_device)
