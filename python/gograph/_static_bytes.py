@@ -122,6 +122,15 @@ def _grad_inputs(pb: PassBytes, st: Any, sizes: Any, released: set[tuple[int, st
 def distinct(passes: Sequence[PassBytes], attr: str = "") -> int:
     """Bytes of the distinct storages of every pass (``attr``: "planned" or "new"; all static
     categories by default)."""
+    return sum(_distinct(passes, attr).values())
+
+
+def new_sizes(passes: Sequence[PassBytes]) -> list[int]:
+    """Sizes of the distinct buffers the build allocates outside the pool, in pass order."""
+    return list(_distinct(passes, "new").values())
+
+
+def _distinct(passes: Sequence[PassBytes], attr: str) -> dict[_Key, int]:
     seen: dict[_Key, int] = {}
     for pb in passes:
         if attr:
@@ -129,12 +138,4 @@ def distinct(passes: Sequence[PassBytes], attr: str = "") -> int:
         else:
             for cat in pb.by_category.values():
                 seen.update(cat)
-    return sum(seen.values())
-
-
-def new_sizes(passes: Sequence[PassBytes]) -> list[int]:
-    """Sizes of the distinct buffers the build allocates outside the pool, in pass order."""
-    seen: dict[_Key, int] = {}
-    for pb in passes:
-        seen.update(pb.new)
-    return list(seen.values())
+    return seen
