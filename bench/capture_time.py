@@ -1,19 +1,22 @@
 """How long make_graphed_callables takes, gograph vs torch, and where the time goes.
 
 bench/run.py times one graphing per maker; a W2 graphing takes ~0.05-0.1 s, and one timing is at
-the mercy of the host. Here both makers graph the same workload (fresh layers and samples each
-time) in alternating rounds (torch, gograph, gograph, torch, ...), and the best and median of
-each and the median per-round ratio are reported. Then one graphing of each is profiled with
-cProfile (top functions by own time), and gograph's build statistics split its time into
-warmup, captures and the rest.
+the mercy of the host. Here the makers graph the same workload (fresh layers and samples each
+time) in rotated rounds (torch, gograph; gograph, torch; ...), and the best and median of each
+and the median per-round ratio to torch are reported. ``--makers torch,gograph,gograph-unseeded``
+adds gograph with its pool seed switched off (no warmup trace, no memory plan): the seed's cost.
+With ``--profile`` one graphing of each is profiled with cProfile (top functions by own time);
+with ``--phases`` the time inside gograph's phases (warmup, trace, plan, captures) is split out.
 
   python bench/capture_time.py [--only W2,W1] [--rounds 9] [--warmup-iters 3] [--phases | --timeline]
-                               [--cpu N] [--profile [--dump-dir D]] [--json out.json]
+                               [--cpu N] [--profile [--dump-dir D]] [--makers torch,gograph[,gograph-unseeded]]
+                               [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -28,7 +31,30 @@ from run import WORKLOADS, Workload, make_layers, make_samples, step, ungraph
 
 import gograph
 
-MAKERS = {"torch": torch.cuda.make_graphed_callables, "gograph": gograph.make_graphed_callables}
+
+@contextlib.contextmanager
+def _no_allocation_trace(self, wanted, ops):
+    yield None
+
+
+def _unseeded(*args, **kwargs):
+    """gograph without the pool seed (its warmup unrecorded, no plan_memory): the seed's cost
+    measured against the same build in the same process."""
+    from gograph import _build
+
+    traced = _build.Build._allocation_trace
+    _build.Build._allocation_trace = _no_allocation_trace  # type: ignore[method-assign]
+    try:
+        return gograph.make_graphed_callables(*args, **kwargs)
+    finally:
+        _build.Build._allocation_trace = traced  # type: ignore[method-assign]
+
+
+MAKERS = {
+    "torch": torch.cuda.make_graphed_callables,
+    "gograph": gograph.make_graphed_callables,
+    "gograph-unseeded": _unseeded,
+}
 
 
 def prepared(w: Workload):
@@ -73,7 +99,7 @@ def one_graphing(
     if profiler is not None:
         profiler.disable()
     split = None
-    if maker == "gograph":
+    if maker.startswith("gograph"):
         stats = graphed[0].forward.build_stats
         caps = sum(c.seconds for c in stats.captures)
         split = {
@@ -169,14 +195,14 @@ class PhaseClock:
         self._undo.clear()
 
 
-def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> str:
+def phases(w: Workload, rounds: int, warmup_iters: int, makers: list[str], detail: bool = True) -> str:
     """Median seconds per graphing spent in the main phases of each maker: with ``detail``,
     inside many functions (which slows the graphings down a little); without, only a timeline
     of phase boundaries and the garbage collector's pauses."""
-    from gograph import _args, _build, _captures, _core, _observe, _plan, _warmup, engines, graphed
+    from gograph import _args, _build, _captures, _core, _observe, _plan, _probe, _torch, _warmup, engines, graphed
 
     out = []
-    for maker in MAKERS:
+    for maker in makers:
         one_graphing(w, maker, warmup_iters)
         clock = PhaseClock()
         if not detail:
@@ -196,6 +222,13 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
                 (_args, "check_for_engine"),
                 (_build.Build, "_plan_captures"),
                 (_build.Build, "_carve_seed"),
+                (_probe.CountedTrace, "__enter__"),
+                (_probe.CountedTrace, "__exit__"),
+                (_probe.CountedTrace, "op"),
+                (_probe.CountedTrace, "_stop"),
+                (_probe.AllocationTrace, "text"),
+                (_probe.AllocationTrace, "_device_entries"),
+                (_torch, "memory_stats"),
                 (_captures, "capture_forward"),
                 (_captures, "capture_backward"),
                 (_warmup, "warm_forward"),
@@ -214,7 +247,14 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
                 (_observe.CaptureProbe, "finished"),
             ):
                 clock.wrap(owner, attr)
-            for attr in ("begin_pass_capture", "end_pass_capture", "plan_warmup", "plan_capture", "new_pass"):
+            for attr in (
+                "begin_pass_capture",
+                "end_pass_capture",
+                "plan_warmup",
+                "plan_capture",
+                "plan_memory",
+                "new_pass",
+            ):
                 clock.wrap(_core, attr, f"core.{attr}")
             for attr, name in (
                 ("warmup_started", "warmup starts"),
@@ -253,34 +293,39 @@ def phases(w: Workload, rounds: int, warmup_iters: int, detail: bool = True) -> 
     return "\n".join(out)
 
 
-def compare(w: Workload, rounds: int, warmup_iters: int) -> dict:
-    for maker in MAKERS:  # first graphing of each in this process is not timed
+def compare(w: Workload, rounds: int, warmup_iters: int, makers: list[str]) -> dict:
+    """Each maker graphs once untimed, then ``rounds`` rounds in which every maker graphs once,
+    the order rotated each round; per-round ratios are to torch's graphing in the same round."""
+    for maker in makers:  # first graphing of each in this process is not timed
         one_graphing(w, maker, warmup_iters)
-    times: dict[str, list[float]] = {m: [] for m in MAKERS}
-    splits = []
+    times: dict[str, list[float]] = {m: [] for m in makers}
+    splits: dict[str, list[dict]] = {m: [] for m in makers}
     for r in range(rounds):
-        for maker in ("torch", "gograph") if r % 2 == 0 else ("gograph", "torch"):
+        k = r % len(makers)
+        for maker in makers[k:] + makers[:k]:
             s, split = one_graphing(w, maker, warmup_iters)
             times[maker].append(s)
             if split is not None:
-                splits.append(split)
-    ratios = sorted(g / t for g, t in zip(times["gograph"], times["torch"]))
+                splits[maker].append(split)
+    ratios = {m: statistics.median(g / t for g, t in zip(times[m], times["torch"])) for m in makers if m != "torch"}
+    gog = splits.get("gograph") or next((v for v in splits.values() if v), [])
     return {
         "workload": w.name,
         "rounds": rounds,
         "warmup_iters": warmup_iters,
         "best_s": {m: min(v) for m, v in times.items()},
         "median_s": {m: statistics.median(v) for m, v in times.items()},
-        "median_round_ratio": statistics.median(ratios),
-        "gograph_captures_s_median": statistics.median(s["captures_s"] for s in splits),
-        "gograph_warmup_s_median": statistics.median(s["warmup_s"] for s in splits),
-        "captures": splits[0]["captures"] if splits else 0,
+        "median_round_ratio": ratios.get("gograph", next(iter(ratios.values()), 1.0)),
+        "median_round_ratios": ratios,
+        "gograph_captures_s_median": statistics.median(s["captures_s"] for s in gog) if gog else 0.0,
+        "gograph_warmup_s_median": statistics.median(s["warmup_s"] for s in gog) if gog else 0.0,
+        "captures": gog[0]["captures"] if gog else 0,
     }
 
 
-def profile(w: Workload, warmup_iters: int, top: int, dump_dir: str = "") -> str:
+def profile(w: Workload, warmup_iters: int, top: int, makers: list[str], dump_dir: str = "") -> str:
     out = io.StringIO()
-    for maker in MAKERS:
+    for maker in makers:
         pr = cProfile.Profile()
         s, _ = one_graphing(w, maker, warmup_iters, pr)
         if dump_dir:
@@ -306,6 +351,11 @@ def main() -> None:
         default=-1,
         help="pin the process to this CPU core (less host noise; autograd's device thread shares it)",
     )
+    p.add_argument(
+        "--makers",
+        default="torch,gograph",
+        help=f"comma-separated, torch first (the ratios' reference): {', '.join(MAKERS)}",
+    )
     p.add_argument("--json", default="")
     p.add_argument("--dump-dir", default="", help="write each cProfile as capture-<load>-<maker>.prof here")
     a = p.parse_args()
@@ -314,24 +364,28 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     if a.cpu >= 0:
         os.sched_setaffinity(0, {a.cpu})
+    makers = a.makers.split(",")
+    if makers[0] != "torch" or not set(makers) <= set(MAKERS):
+        raise SystemExit(f"--makers: torch first, then any of {', '.join(MAKERS)}; got {a.makers!r}")
     results = []
     for name in a.only.split(","):
         w = WORKLOADS[name]
         rounds = a.rounds if name != "W1" else max(3, a.rounds // 3)
-        c = compare(w, rounds, a.warmup_iters)
+        c = compare(w, rounds, a.warmup_iters, makers)
         results.append(c)
         b, m = c["best_s"], c["median_s"]
         print(
-            f"{name} capture time ({c['rounds']} alternating rounds, {a.warmup_iters} warmup iters): "
-            f"best s torch {b['torch']:.4f} gograph {b['gograph']:.4f}; median s torch {m['torch']:.4f} "
-            f"gograph {m['gograph']:.4f}; gograph/torch best x{b['gograph'] / b['torch']:.3f}, median "
-            f"per-round x{c['median_round_ratio']:.3f}; gograph's warmup takes {c['gograph_warmup_s_median']:.4f} s "
-            f"and its {c['captures']} captures {c['gograph_captures_s_median']:.4f} s of it (medians)"
+            f"{name} capture time ({c['rounds']} rotated rounds, {a.warmup_iters} warmup iters): "
+            + "; ".join(f"{k} best {b[k]:.4f} s median {m[k]:.4f} s" for k in makers)
+            + "; median per-round ratio to torch: "
+            + ", ".join(f"{k} x{v:.3f}" for k, v in c["median_round_ratios"].items())
+            + f"; gograph's warmup takes {c['gograph_warmup_s_median']:.4f} s and its {c['captures']} captures "
+            f"{c['gograph_captures_s_median']:.4f} s (medians)"
         )
         if a.phases or a.timeline:
-            print(phases(w, rounds, a.warmup_iters, detail=a.phases))
+            print(phases(w, rounds, a.warmup_iters, makers, detail=a.phases))
         if a.profile:
-            print(profile(w, a.warmup_iters, a.top, a.dump_dir))
+            print(profile(w, a.warmup_iters, a.top, makers, a.dump_dir))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(

@@ -46,6 +46,7 @@ type Trace struct {
 	Outputs map[[2]int]int // (pass, output) -> block
 	Grads   map[[2]int]int // (pass, static-surface index) -> block
 	New     []int64        // buffers the build allocates outside the pool
+	NoSeed  bool           // the build carves no seed (it did not record its warmup)
 }
 
 // ParseTrace parses a trace as Python sends it, one item per line:
@@ -56,6 +57,7 @@ type Trace struct {
 //	out P K ID       output K of pass P is block ID
 //	grad P J ID      the grad at static-surface index J of pass P is block ID
 //	new BYTES        a buffer of BYTES the build allocates outside the pool
+//	noseed           the build carves no seed segment (ChooseSeed keeps the unseeded pool)
 func ParseTrace(s string, passes int) (*Trace, error) {
 	tr := &Trace{Outputs: map[[2]int]int{}, Grads: map[[2]int]int{}}
 	for n, line := range strings.Split(strings.TrimSpace(s), "\n") {
@@ -71,9 +73,13 @@ func ParseTrace(s string, passes int) (*Trace, error) {
 }
 
 func (tr *Trace) parseLine(f []string, passes int) error {
-	want, ok := map[string]int{"step": 4, "a": 4, "r": 3, "out": 4, "grad": 4, "new": 2}[f[0]]
+	want, ok := map[string]int{"step": 4, "a": 4, "r": 3, "out": 4, "grad": 4, "new": 2, "noseed": 1}[f[0]]
 	if !ok || len(f) != want {
-		return fmt.Errorf(`want "step I K P", "a ID BYTES I", "r ID I", "out P K ID", "grad P J ID" or "new BYTES"`)
+		return fmt.Errorf(`want "step I K P", "a ID BYTES I", "r ID I", "out P K ID", "grad P J ID", "new BYTES" or "noseed"`)
+	}
+	if f[0] == "noseed" {
+		tr.NoSeed = true
+		return nil
 	}
 	if f[0] == "step" {
 		i, err1 := strconv.Atoi(f[1])
@@ -362,6 +368,9 @@ func ChooseSeed(prog *lifetime.Program, tr *Trace) (*Result, error) {
 	best, err := Simulate(prog, tr)
 	if err != nil {
 		return nil, err
+	}
+	if tr.NoSeed {
+		return best, nil
 	}
 	peak := best.PoolPeakAllocated
 	// No pool is smaller than its peak allocated, in whole 2 MiB: a pool

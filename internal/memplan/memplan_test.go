@@ -259,6 +259,10 @@ func TestChooseSeed(t *testing.T) {
 		// A seed holding both saved blocks lets them merge again for the
 		// transient: the best (61 MiB) makes the pool the peak, 86 MiB.
 		{"freed neighbours merge in the seed", fragmentingTrace, 1, onePassProgram, 122 * MiB, true, 86 * MiB},
+		// The build did not record its warmup (every request in the small
+		// pool, _probe.seed_may_matter): it carves nothing, so neither does
+		// the prediction.
+		{"noseed keeps the unseeded pool", fragmentingTrace + "noseed\n", 1, onePassProgram, 122 * MiB, false, 122 * MiB},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -181,10 +181,17 @@ class Build:
     def _allocation_trace(self, wanted: bool, ops: Sequence[_plan.Op]) -> Iterator[_probe.AllocationTrace | None]:
         """Records what a warmup outside the pool allocates, as the core's trace (``self.trace``),
         on the CUDA engine with the build's own pool, unless the process records allocator
-        history already (its buffer and settings are the caller's): the ops up to the last
-        first one (the captures replay what each op allocated the first time)."""
+        history already (its buffer and settings are the caller's) or every sample and parameter
+        is a small-pool request (``_probe.seed_may_matter``): the ops up to the last first one
+        (the captures replay what each op allocated the first time)."""
         device = self.device
-        if not wanted or device is None or self.req.pool is not None or _torch.allocator_history_enabled():
+        if (
+            not wanted
+            or device is None
+            or self.req.pool is not None
+            or _torch.allocator_history_enabled()
+            or not _probe.seed_may_matter(self.states)
+        ):
             yield None
             return
         with _probe.CountedTrace(device, ops) as rec:

@@ -155,7 +155,8 @@ def plan_memory(
         prediction = None
         if found.trace is not None:  # the buffers outside the pool share its segments with warmup's caches
             new = "".join(f"new {n}\n" for n in _static_bytes.new_sizes(_static_bytes.count(found)))
-            trace = found.trace + new
+            # a build that would not record its warmup carves no seed: nor does its plan
+            trace = found.trace + new + ("" if _probe.seed_may_matter(build.states) else "noseed\n")
             prediction = str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, trace))
     engine = build.engine
     if isinstance(engine, CudaEngine):

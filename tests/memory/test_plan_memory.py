@@ -259,3 +259,24 @@ def test_a_warmup_trace_marks_each_first_op_and_stops_after_the_last(program: st
 
     ops = [_plan.Op(op[0], int(op[1:])) for op in program.split()]
     assert first_ops(ops) == (exact, until)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "may"),
+    [
+        ([[(64, 256)], [(256, 256)]], False),  # a small launch-bound layer: all in the small pool
+        ([[(256, 1024)], [(16, 16)]], False),  # exactly 1 MiB is still a small request
+        ([[(257, 1024)], []], True),  # an input just over it
+        ([[(8, 8)], [(1024, 1024)]], True),  # a 4 MiB weight
+        ([[], []], False),
+    ],
+)
+def test_only_a_large_request_makes_the_warmup_worth_recording(shapes: list[list[tuple[int, int]]], may: bool) -> None:
+    from types import SimpleNamespace
+
+    from gograph import _probe
+
+    args, params = ([torch.empty(s) for s in group] for group in shapes)
+    small = SimpleNamespace(flat_args=(torch.empty(4),), params=())
+    states = [small, SimpleNamespace(flat_args=tuple(args), params=tuple(params))]
+    assert _probe.seed_may_matter(states) is may  # type: ignore[arg-type]

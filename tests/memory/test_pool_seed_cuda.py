@@ -71,3 +71,30 @@ def test_counted_marks_cut_the_history_where_a_snapshot_would(cuda_device: torch
     assert rec.complete
     assert len(rec.entries) == expected[-1]
     assert sum(e["action"] == "alloc" for e in rec.entries) >= 4 * (until or 4)  # randn, matmul, relu, sum
+
+
+@pytest.mark.parametrize(("width", "recorded"), [(256, 0), (1024, 1)])
+def test_only_builds_with_a_large_request_record_their_warmup(
+    cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch, width: int, recorded: int
+) -> None:
+    from gograph import _probe
+
+    entered: list[object] = []
+    enter = _probe.CountedTrace.__enter__
+
+    def counted(self: _probe.CountedTrace) -> _probe.CountedTrace:
+        entered.append(self)
+        return enter(self)
+
+    monkeypatch.setattr(_probe.CountedTrace, "__enter__", counted)
+    # 256: every weight (256 KiB) and input (64 KiB) in the small pool; 1024: 4 MiB weights.
+    layers = [torch.nn.Linear(width, width, device=cuda_device) for _ in range(4)]
+    samples = tuple((torch.randn(64, width, device=cuda_device, requires_grad=True),) for _ in layers)
+    graphed = gograph.make_graphed_callables(tuple(layers), samples)
+    assert len(entered) == recorded
+    x = torch.randn(64, width, device=cuda_device, requires_grad=True)
+    out = x
+    for g in graphed:
+        out = g(out)
+    out.sum().backward()  # the build without a trace trains all the same
+    assert x.grad is not None and torch.isfinite(x.grad).all()
