@@ -53,7 +53,7 @@ func TestPlanScheduleOrdered(t *testing.T) {
 
 func TestPlanWarmupAndCapture(t *testing.T) {
 	h := planOf(t, "", "", 2, 2, true, 2)
-	perCallable, inOrder := "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n", "op f 0\nop f 1\nop b 1\nop x 1\nop b 0\nop x 0\n"
+	perCallable, inOrder := "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n", "op f 0\nop y 0\nop f 1\nop b 1\nop x 1\nop b 0\nop x 0\n"
 	for _, tc := range []struct {
 		name                      string
 		hooks, wholeStep, ownPool bool

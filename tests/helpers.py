@@ -42,6 +42,14 @@ def grads_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return True
 
 
+def learn_dropped_grads(model: torch.nn.Module, *args: torch.Tensor) -> None:
+    """One step whose grads are dropped (``zero_grad(set_to_none=True)``): a graphed callable of
+    the default schedule lends its parameter-grad buffers to ``.grad`` only once it has seen the
+    caller drop its grads, from the backward after the next replay on."""
+    model(*args).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
 def batches(
     n: int, shape: tuple[int, ...], seed: int = 1, device: torch.device | str = "cpu", requires_grad: bool = False
 ) -> list[torch.Tensor]:

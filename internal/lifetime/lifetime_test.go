@@ -101,11 +101,11 @@ func TestWarmupReleasePoints(t *testing.T) {
 		{"per-callable inference: outputs die at once", defaultPlan(t, 2, false), 1, true,
 			"f 0 | x 0 | f 1 | x 1"},
 		{"schedule order (capture-time hooks): all forwards, backwards in reverse", defaultPlan(t, 2, true), 1, false,
-			"f 0 | f 1 | b 1 | x 1 | b 0 | x 0"},
+			"f 0 | y 0 | f 1 | b 1 | x 1 | b 0 | x 0"},
 		{"schedule order inference", defaultPlan(t, 2, false), 2, false,
 			"f 0 | x 0 | f 1 | x 1 | f 0 | x 0 | f 1 | x 1"},
 		{"_order with weight-gradient entries: each pass's outputs die at its backward", plan(t, []float64{1, 2, -2, -2.5, -1, -1.5}, "1,1", 2, 2), 1, false,
-			"f 0 | f 1 | b 1 | x 1 | w 1 | b 0 | x 0 | w 0"},
+			"f 0 | y 0 | f 1 | b 1 | x 1 | w 1 | b 0 | x 0 | w 0"},
 		{"no iterations", defaultPlan(t, 3, true), 0, true, ""},
 	}
 	for _, tc := range tests {

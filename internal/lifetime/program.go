@@ -15,6 +15,11 @@ const (
 	WarmBackward OpKind = 'b' // run its backward on the outputs of its latest warmup forward
 	WarmWGrad    OpKind = 'w' // run its delayed weight-gradient work
 	DropWarm     OpKind = 'x' // its warmup outputs die (and the grads made for them)
+	// DropInference: its warmup outputs die here when none of them requires
+	// grad: the pass turned out to have no backward (an eval module or
+	// inputs and parameters that need no grad), which only its first forward
+	// tells; its backward steps then run nothing.
+	DropInference OpKind = 'y'
 
 	CaptureForward  OpKind = 'F' // capture the pass's forward graph
 	CaptureBackward OpKind = 'B' // capture its backward graph, differentiating its capture-time outputs

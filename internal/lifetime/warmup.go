@@ -48,7 +48,11 @@ func ChooseWarmup(p *schedule.Plan, hooks, wholeStep, ownPool bool) WarmupMode {
 //
 // Either way a forward's outputs die right after the backward that consumes
 // them, and at once when the schedule has no backward for the pass
-// (inference). Delayed weight-gradient work of the default schedule, which
+// (inference: built under no_grad). In the schedule's order a pass of a
+// build with backward steps may still have none (its outputs need no grad,
+// which only its forward tells): a DropInference op right after each of its
+// forwards lets those outputs die at once, before the next pass runs.
+// Delayed weight-gradient work of the default schedule, which
 // has no weight-gradient steps, is the executor's to run after the backward
 // (whether a pass has any is only learnt while warming up).
 func Warmup(p *schedule.Plan, iters int, perCallable bool) []Op {
@@ -75,11 +79,17 @@ func Warmup(p *schedule.Plan, iters int, perCallable bool) []Op {
 		return ops
 	}
 	for it := 0; it < iters; it++ {
-		for _, s := range p.Steps {
+		for i, s := range p.Steps {
 			switch s.Kind {
 			case schedule.Forward:
 				ops = append(ops, Op{Kind: WarmForward, Pass: s.Pass})
-				if !hasBackward[s.Pass] {
+				if hasBackward[s.Pass] {
+					// Not needed when its backward comes next: nothing runs
+					// between them, and the DropWarm after it frees them.
+					if next := i + 1; next >= len(p.Steps) || p.Steps[next].Kind != schedule.Backward || p.Steps[next].Pass != s.Pass {
+						ops = append(ops, Op{Kind: DropInference, Pass: s.Pass})
+					}
+				} else {
 					ops = append(ops, Op{Kind: DropWarm, Pass: s.Pass})
 				}
 			case schedule.Backward:

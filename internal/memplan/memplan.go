@@ -34,7 +34,7 @@ type Event struct {
 
 // Step is one recorded warmup op.
 type Step struct {
-	Kind lifetime.OpKind // WarmForward, WarmBackward, WarmWGrad or DropWarm
+	Kind lifetime.OpKind // WarmForward, WarmBackward, WarmWGrad, DropWarm or DropInference
 	Pass int
 }
 
@@ -84,8 +84,8 @@ func (tr *Trace) parseLine(f []string, passes int) error {
 	if f[0] == "step" {
 		i, err1 := strconv.Atoi(f[1])
 		p, err2 := strconv.Atoi(f[3])
-		if err1 != nil || err2 != nil || i != len(tr.Steps) || p < 0 || p >= passes || len(f[2]) != 1 || !strings.Contains("fbwx", f[2]) {
-			return fmt.Errorf("step %d must be numbered %d, of kind f, b, w or x, for a pass in [0, %d)", i, len(tr.Steps), passes)
+		if err1 != nil || err2 != nil || i != len(tr.Steps) || p < 0 || p >= passes || len(f[2]) != 1 || !strings.Contains("fbwxy", f[2]) {
+			return fmt.Errorf("step %d must be numbered %d, of kind f, b, w, x or y, for a pass in [0, %d)", i, len(tr.Steps), passes)
 		}
 		tr.Steps = append(tr.Steps, Step{Kind: lifetime.OpKind(f[2][0]), Pass: p})
 		return nil

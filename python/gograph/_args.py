@@ -24,7 +24,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._plan import Schedule
     from .engines import Engine
 
-__all__ = ["GraphOptions", "PassSpec", "Request", "check_for_engine", "label_of", "normalize", "pass_specs"]
+__all__ = [
+    "GraphOptions",
+    "PassSpec",
+    "Request",
+    "check_for_engine",
+    "label_of",
+    "normalize",
+    "pass_specs",
+    "schedule_training",
+]
 
 ModuleOrCallable = Union[torch.nn.Module, Callable[..., object]]  # noqa: UP007 (a runtime alias on Python 3.10)
 
@@ -269,11 +278,11 @@ def _validate_callables(callables: Any, num_warmup_iters: Any, ordered: bool) ->
                 )
             seen[id(c)] = i
             modes[bool(c.training)].append(i)
-    if modes[True] and modes[False]:
+    if ordered and modes[True] and modes[False]:  # torch's call shape takes both, per pass
         raise ValueError(
-            "gograph: make_graphed_callables needs the modules all in training mode or all in eval mode "
-            f"(modules {modes[True]} are training, {modes[False]} are in eval); call .train() or .eval() "
-            "on all of them, or graph the two groups in separate calls"
+            "gograph: with _order (TransformerEngine's schedule) the modules must be all in training mode or all "
+            f"in eval mode (modules {modes[True]} are training, {modes[False]} are in eval); call .train() or "
+            ".eval() on all of them, or graph the two groups in separate calls"
         )
     return tuple(callables)
 
@@ -336,9 +345,7 @@ def _pass_spec(req: Request, schedule: Schedule, i: int, args: tuple[Any, ...], 
     flat = tuple(pos_leaves) + tuple(kw_leaves)
     _check_leaves(i, c, flat, len(pos_leaves), req.ordered)
     label = schedule.pass_label(i, label_of(c))
-    grad_enabled = (
-        req.training if req.ordered else torch.is_grad_enabled() and (not isinstance(c, torch.nn.Module) or c.training)
-    )
+    grad_enabled = schedule_training(req)
     fn, is_method = _forward_of(c)
     return PassSpec(
         index=i,
@@ -359,6 +366,16 @@ def _pass_spec(req: Request, schedule: Schedule, i: int, args: tuple[Any, ...], 
         forward_is_method=is_method,
         te_grads=req.ordered,
     )
+
+
+def schedule_training(req: Request) -> bool:
+    """Whether the build's passes may have a backward. The default schedule follows eager (and
+    torch's make_graphed_callables, which graphs eval modules forward and backward): grad mode
+    at the call; a pass then has a backward exactly when its outputs require grad, whatever its
+    module's train/eval mode (which only changes what its forward computes). With ``_order``,
+    TransformerEngine's rule: all modules in training mode with grad mode on, else the order is
+    forward-only and nothing is differentiable (a backward through such a pass raises)."""
+    return req.training if req.ordered else torch.is_grad_enabled()
 
 
 def _check_leaves(i: int, c: Any, flat: tuple[Any, ...], n_pos: int, ordered: bool) -> None:

@@ -116,7 +116,7 @@ class BackwardBody:
     grad, with the static grad-output buffers as incoming gradients. Called with the forward
     outputs it differentiates (the capture's, or on the eager engine the latest forward replay's)."""
 
-    __slots__ = ("allow_unused", "grad_outputs", "inputs", "output_mask", "retain_graph")
+    __slots__ = ("allow_unused", "grad_outputs", "inputs", "n_inputs", "output_mask", "retain_graph")
 
     def __init__(
         self,
@@ -125,8 +125,12 @@ class BackwardBody:
         output_mask: tuple[bool, ...],
         allow_unused: bool,
         retain_graph: bool = False,
+        anchors: tuple[Tensor, ...] = (),
     ) -> None:
-        self.inputs = inputs
+        # Anchors are differentiated too and their grads dropped: they keep autograd from pruning
+        # nodes eager's backward runs (:attr:`gograph._state.PassState.anchors`).
+        self.inputs = inputs + anchors
+        self.n_inputs = len(inputs)
         self.grad_outputs = grad_outputs
         self.output_mask = output_mask
         self.allow_unused = allow_unused
@@ -134,4 +138,5 @@ class BackwardBody:
 
     def __call__(self, outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
         outs = tuple(o for o, m in zip(outputs, self.output_mask) if m)
-        return autograd_grad(outs, self.inputs, self.grad_outputs, self.allow_unused, self.retain_graph)
+        grads = autograd_grad(outs, self.inputs, self.grad_outputs, self.allow_unused, self.retain_graph)
+        return grads if len(grads) == self.n_inputs else grads[: self.n_inputs]

@@ -30,7 +30,7 @@ from ._args import PassSpec, Request
 from ._captures import apply_separated, apply_slots, run_captures
 from ._shared_inputs import SharedInput, shared_inputs
 from ._state import PassState
-from ._warmup import WarmupObserver, module_buffers_restored, run_warmup, warm_forward
+from ._warmup import WarmupObserver, decide_wgrad_without_warmup, module_buffers_restored, run_warmup, warm_forward
 from .engines import CudaEngine, Engine, resolve_engine
 from .graphed import GraphedCallable, PassResult, Shared, lent_grads
 
@@ -49,7 +49,7 @@ def prepared(req: Request) -> Iterator[Build]:
         req.layers,
         len(req.callables),
         len(req.sample_args),
-        req.training if req.ordered else True,
+        _args.schedule_training(req),
         req.num_warmup_iters,
     )
     try:
@@ -142,6 +142,7 @@ class Build:
         self.engine.synchronize()
         for st in self.states:  # warmup is over: what it kept alive goes
             st.warm_outputs = st.warm_grads = None
+        decide_wgrad_without_warmup(self.states, req.callables)
         self.stats.warmup_finished()
 
     def _post_hook_on_error(self, fn: Any, *args: Any) -> Any:
@@ -358,7 +359,7 @@ def _result(st: PassState, program: _plan.CaptureProgram, shared_leaves: dict[in
         released_outputs=frozenset(i for r, i in st.released if r == "o"),
         released_grad_inputs=frozenset(i for r, i in st.released if r != "o"),
         grad_policy=policy,
-        seq=(st.seq[0], st.seq[1]),
+        seq=(st.seq[0], st.seq[1], st.seq[2]),
         shared_inputs=shared_leaves,
         shared_grad_outputs=frozenset(
             k for (q, k), src in program.grad_outputs.items() if q == st.index and src.kind == _plan.SLOT

@@ -178,6 +178,7 @@ def capture_backward(build: Any, st: PassState, program: _plan.CaptureProgram, s
             mask,
             build.req.allow_unused_input or st.te_grads,
             build.req.retain_graph,
+            st.anchors,
         )
         with torch.set_grad_enabled(st.spec.grad_enabled):
             grad_inputs, st.seq[1] = build.engine.capture(
@@ -199,5 +200,7 @@ def capture_wgrad(build: Any, st: PassState) -> None:
     if not (st.need_dw or _te.modules_needing_dw(mods)):
         return
     body = _te.WgradBody(mods, st.spec.label)
-    build.engine.capture(st.pass_id, WGRAD, body, pool=build.pool, uses_rng=st.rng[2], mode=build.req.capture_mode)
+    _, st.seq[2] = build.engine.capture(
+        st.pass_id, WGRAD, body, pool=build.pool, uses_rng=st.rng[2], mode=build.req.capture_mode
+    )
     st.wgrad_body = body

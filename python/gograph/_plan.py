@@ -43,8 +43,9 @@ __all__ = [
 
 #: Step kinds of a schedule.
 FORWARD_STEP, BACKWARD_STEP, WGRAD_STEP = "F", "B", "W"
-#: Warmup ops: run a forward / backward / weight gradient; the pass's warmup outputs die.
-WARM_FORWARD, WARM_BACKWARD, WARM_WGRAD, DROP_WARM = "f", "b", "w", "x"
+#: Warmup ops: run a forward / backward / weight gradient; the pass's warmup outputs die; they
+#: die if none requires grad (the pass has no backward, which only its forward tells).
+WARM_FORWARD, WARM_BACKWARD, WARM_WGRAD, DROP_WARM, DROP_INFERENCE = "f", "b", "w", "x", "y"
 #: Capture ops: capture a forward / backward / weight gradient; drop the capture-time outputs;
 #: hand a pool buffer back to the pool.
 CAPTURE_FORWARD, CAPTURE_BACKWARD, CAPTURE_WGRAD, DROP_CAPTURE, RELEASE = "F", "B", "W", "X", "R"

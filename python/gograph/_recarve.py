@@ -6,11 +6,12 @@ forward's saved tensors are noted (``saved_tensors_hooks`` that return the tenso
 graph writes every block its capture allocated; it reads the blocks, live when its capture
 began, that hold what it was captured reading: a forward its chained inputs (the previous
 layer's output, which a replay never copies in), a backward (and a weight-gradient pass) the
-tensors its forward saved. Each read names the graph whose capture allocated that block, its
-producer. Copies into static buffers happen outside the graphs and are not tracked. A graph
-also hands the caller its pool-planned buffers (a released output, a released input grad): the
-core says which replays overwrite them (``_handouts``). The core then checks every replay
-against those sets instead of the capture order. Nothing here decides.
+tensors its forward saved, a weight-gradient pass also the incoming grads its backward
+stashed. Each read names the graph whose capture allocated that block, its producer. Copies
+into static buffers happen outside the graphs and are not tracked. A graph also hands the
+caller its pool-planned buffers (a released output, a released input grad): the core says which
+replays overwrite them (``_handouts``). The core then checks every replay against those sets
+instead of the capture order. Nothing here decides.
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ def _reads(rec: CaptureRecorder, st: PassState, kind: int, live: dict[int, tuple
         wanted += [(*_storage(st.flat_args[j]), f"its chained input {j}") for j in sorted(st.chained_inputs)]
     else:  # (a chained grad output is no read: a replay copies the incoming grad in unless it is that buffer)
         wanted += [(a, n, f"what pass {st.pass_id}'s forward saved") for a, n in rec.saved.get(st.index, [])]
+    if kind == 2:  # the weight-gradient work its backward stashed: the incoming grads it was given
+        wanted += [
+            (*_storage(g), f"the incoming grad of output {k} (its backward's)")
+            for k, g in enumerate(st.static_grad_outputs)
+            if g is not None
+        ]
     reads, seen = [], set()
     for addr, nbytes, what in wanted:
         if addr in live and addr not in seen:

@@ -45,6 +45,7 @@ class PassState:
         self.warm_grads: tuple[Tensor | None, ...] | None = None
         self.warmed = False
         self.warm_backwards = 0  # TransformerEngine's grad rules differ on the first iteration
+        self.warm_backward_ran = False  # the latest warmup backward ran (some output required grad)
         # capture
         self.capture_outputs: tuple[Tensor, ...] | None = None  # with their autograd graph
         self.static_outputs: tuple[Tensor, ...] = ()
@@ -59,7 +60,7 @@ class PassState:
         self.mutated_inputs: frozenset[int] = frozenset()  # leaves its forward writes in place (warmup)
         self.chained_grad_outputs: set[int] = set()
         self.released: set[tuple[str, int]] = set()  # (role, index) handed back to the pool
-        self.seq = [0, 0]
+        self.seq = [0, 0, 0]  # capture sequence numbers of its forward, backward, weight gradient
 
     @property
     def surface(self) -> tuple[Tensor, ...]:
@@ -79,10 +80,23 @@ class PassState:
 
     @property
     def may_need_dw(self) -> bool:
-        """Whether a weight-gradient graph is captured (unknown without warmup: any candidate)."""
+        """Whether a weight-gradient graph is captured: warmup found a submodule that ran and needs
+        one, or (without warmup) some submodule of the callable reports ``need_backward_dw()``."""
         if not self.captures_backward:
             return False
-        return self.need_dw if self.warmed else bool(self.wgrad_candidates)
+        return self.need_dw
+
+    @property
+    def anchors(self) -> tuple[torch.nn.Parameter, ...]:
+        """Parameters that left the static surface (TransformerEngine's rule: no grad in the first
+        warmup backward, e.g. a delayed weight gradient's weight) but still require grad: a
+        backward differentiates them too, and drops their (None) grads, so that it runs every node
+        eager's ``loss.backward()`` runs -- the one that stashes the delayed weight-gradient work
+        among them, even where no input of the pass requires grad."""
+        if len(self.params) == len(self.spec.params):
+            return ()
+        kept = {id(p) for p in self.params}
+        return tuple(p for p in self.spec.params if p.requires_grad and id(p) not in kept)
 
     @property
     def capture_body(self) -> Any:

@@ -23,7 +23,7 @@ from ._reuse import tensor_signature
 from ._shared_inputs import version_of
 from ._state import PassState
 
-__all__ = ["check_outputs", "module_buffers_restored", "run_warmup", "warm_forward"]
+__all__ = ["check_outputs", "decide_wgrad_without_warmup", "module_buffers_restored", "run_warmup", "warm_forward"]
 
 
 def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device | None) -> None:
@@ -73,13 +73,19 @@ def run_warmup(build: Any, ops: Sequence[_plan.Op], observer: WarmupObserver | N
             done = warm_backward(
                 st, callables[st.spec.callable_index], hooks, req.allow_unused_input, st.warm_backwards - 1
             )
+            st.warm_backward_ran = done is not None
             if observer is not None and done is not None:
                 observer.backward(i, st, *done)
             done = None  # the grads die here, as without an observer
             slot = 1
         elif kind == _plan.WARM_WGRAD:
-            warm_dw(st, build, _plan.WGRAD_STEP, build.schedule.step_entry(st.index, _plan.WGRAD_STEP))
+            if st.warm_backward_ran:  # an inference pass has no weight gradient (TransformerEngine's rule)
+                warm_dw(st, build, _plan.WGRAD_STEP, build.schedule.step_entry(st.index, _plan.WGRAD_STEP))
             at = marker()  # warm_dw accounts for its own generator use
+            continue
+        elif kind == _plan.DROP_INFERENCE:
+            if st.warm_outputs is not None and not any(o.requires_grad for o in st.warm_outputs):
+                st.warm_outputs = st.warm_grads = None  # no backward will consume them
             continue
         else:  # the pass's warmup outputs die (and its zero grads, unless its next iteration follows)
             st.warm_outputs = None
@@ -87,7 +93,12 @@ def run_warmup(build: Any, ops: Sequence[_plan.Op], observer: WarmupObserver | N
                 st.warm_grads = None
             continue
         at = _flag(st, slot, at, marker())
-        if kind == _plan.WARM_BACKWARD and st.wgrad_modules and st.index not in build.schedule.wgrad_passes:
+        if (
+            kind == _plan.WARM_BACKWARD
+            and st.warm_backward_ran
+            and st.wgrad_modules
+            and st.index not in build.schedule.wgrad_passes
+        ):
             warm_dw(st, build, _plan.BACKWARD_STEP, build.schedule.step_entry(st.index, _plan.BACKWARD_STEP))
             at = marker()  # TransformerEngine runs it right after the backward
     if observer is not None:
@@ -154,10 +165,10 @@ def warm_backward(
     surface = st.grad_surface
     result = autograd_grad(
         tuple(o for o, m in zip(outputs, mask) if m),
-        surface,
+        surface + st.anchors,
         tuple(g for g in grads if g is not None),
         True if st.te_grads else allow_unused_input,
-    )
+    )[: len(surface)]
     hooks.run("backward_hooks", st.spec.callable_index, func)
     if st.te_grads:
         n_user = sum(1 for t in st.flat_args if t.requires_grad)
@@ -219,6 +230,20 @@ def warm_dw(st: PassState, build: Any, kind: str, entry: str | None) -> None:
         st.rng[2] = True
     elif st.rng[2] is None:
         st.rng[2] = False
+
+
+def decide_wgrad_without_warmup(states: Sequence[PassState], callables: Sequence[Any]) -> None:
+    """Without warmup nothing ran to discover the delayed weight-gradient submodules: a pass whose
+    callable has any that reports ``need_backward_dw()`` gets a weight-gradient graph (its capture
+    discovers which ran) and TransformerEngine's grad rules (its weights get their grads from
+    ``backward_dw``, not the backward)."""
+    for st in states:
+        if st.warmed or not st.spec.grad_enabled:
+            continue
+        if st.wgrad_candidates is None:
+            st.wgrad_candidates = _te.wgrad_candidates(callables[st.spec.callable_index])
+        if any(m.need_backward_dw() for m in st.wgrad_candidates):
+            st.need_dw = st.te_grads = True
 
 
 @contextlib.contextmanager

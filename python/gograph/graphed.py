@@ -80,7 +80,7 @@ class PassResult:
     released_outputs: frozenset[int] = frozenset()  # pool-planned: handed back, not owned
     released_grad_inputs: frozenset[int] = frozenset()
     grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
-    seq: tuple[int, int] = (0, 0)  # capture sequence numbers of its forward and backward
+    seq: tuple[int, int, int] = (0, 0, 0)  # capture sequence numbers of its forward, backward, weight gradient
     shared_inputs: dict[int, SharedInput] = field(default_factory=dict)  # leaf -> its shared buffer's guard
     shared_grad_outputs: frozenset[int] = frozenset()  # outputs whose grad-output buffer other passes use too
 
@@ -101,45 +101,61 @@ class Shared:
 # ---------------------------------------------------------------------------------------------
 # Lent parameter grads
 # ---------------------------------------------------------------------------------------------
+#: What a lendable slot has learnt of how the caller treats ``.grad`` (see :class:`LentGrads`).
+_UNKNOWN, _DROPPED, _KEPT = 0, 1, 2
+
+
 class _Lent:
-    """One lent buffer: the backward (capture sequence ``seq``) that lent it and the tensor
-    object it returned (AccumulateGrad makes it ``.grad``, ``torch.autograd.grad`` returns it to
-    the caller; either way every holder of it can be redirected at copy-out)."""
+    """One parameter grad a backward (capture sequence ``seq``) handed out, watched until the
+    first replay that could overwrite its slot's static buffer. Lent (``lent``): the buffer
+    itself, and the tensor object the backward returned (AccumulateGrad makes it ``.grad``,
+    ``torch.autograd.grad`` returns it to the caller; either way every holder of it can be
+    redirected at copy-out). Otherwise an owned copy, watched only to learn whether the caller
+    still holds a ``.grad`` by then."""
 
-    __slots__ = ("handed", "pass_id", "seq", "slot")
+    __slots__ = ("handed", "lent", "pass_id", "seq", "slot")
 
-    def __init__(self, seq: int, pass_id: int, slot: _GradSlot, handed: Tensor) -> None:
-        self.seq, self.pass_id, self.slot = seq, pass_id, slot
+    def __init__(self, seq: int, pass_id: int, slot: _GradSlot, handed: Tensor, lent: bool) -> None:
+        self.seq, self.pass_id, self.slot, self.lent = seq, pass_id, slot, lent
         self.handed = weakref.ref(handed)
 
 
 class _GradSlot:
     """A parameter grad returned as an owned tensor: its surface index, parameter, policy and
-    static buffer; for a lent one, the buffer's storage and address and how many references
+    static buffer; for a lendable one, the buffer's storage and address and how many references
     gograph itself holds on it (counted when the build ended: anything beyond is a holder of the
-    lent grad), and what to call it in messages. All fixed at build: lending is per backward."""
+    lent grad), what it has learnt of the caller (``learned``), and what to call it in messages."""
 
-    __slots__ = ("baseline", "data_ptr", "index", "label", "param", "policy", "static", "storage")
+    __slots__ = ("baseline", "data_ptr", "index", "label", "learned", "param", "policy", "static", "storage")
 
     def __init__(self, index: int, param: torch.nn.Parameter, policy: str, static: Tensor, label: str) -> None:
         self.index, self.param, self.policy, self.static, self.label = index, param, policy, static, label
         self.storage: torch.UntypedStorage | None = static.untyped_storage() if policy == _plan.GRAD_LEND else None
         self.baseline = _torch.storage_use_count(self.storage) if self.storage is not None else 0
         self.data_ptr = static.data_ptr()
+        self.learned = _UNKNOWN
 
 
 class LentGrads:
-    """The parameter grads of one memory pool lent to ``.grad`` (static buffers themselves).
+    """The parameter grads of one memory pool handed out by lendable backwards, watched.
 
     A lent buffer lives in pool memory that graphs captured before its backward may overwrite at
     replay (the caching allocator handed them the same blocks at capture time, as eager training
-    hands a fresh ``.grad`` memory its activations freed). So before any replay of a graph whose
-    capture sequence number is at most the lending backward's, each lent buffer still held by
-    anything but gograph is copied out: the tensor the backward returned (``.grad``, or what
-    ``torch.autograd.grad`` gave the caller) gets an owned copy, seen by every holder of that
-    tensor object; a holder gograph cannot redirect (a view of an old ``.grad``) raises
-    RuntimeError instead of letting the replay change it. In the usual loop (step, then
-    ``zero_grad(set_to_none=True)``) nothing holds it and nothing is copied."""
+    hands a fresh ``.grad`` memory its activations freed). That is only sound for a ``.grad`` the
+    caller drops before such a replay (``zero_grad(set_to_none=True)`` after each step, no
+    accumulation): eager keeps a ``.grad`` that lives on (``set_to_none=False``, accumulation) at
+    one address for the rest of training, and captured optimizer steps, fused optimizers and
+    bucket views hold that address. So a slot lends only once it has learnt that the caller drops
+    its grads: its first grad is an owned copy, watched; if no ``.grad`` of its parameter is left
+    at the first replay that could have overwritten a lent buffer, the caller drops them (the slot
+    lends from its next backward); if one is, or a later backward finds ``.grad`` to accumulate
+    into, the caller keeps them (owned copies from then on, which AccumulateGrad keeps in place).
+
+    Before any replay of a graph whose capture sequence number is at most a lending backward's,
+    each lent buffer still held by anything but gograph is copied out (a caller that changed its
+    pattern): the tensor the backward returned gets an owned copy, seen by every holder of that
+    tensor object, and the slot stops lending; a holder gograph cannot redirect (a view of an old
+    ``.grad``) raises RuntimeError instead of letting the replay change it."""
 
     __slots__ = ("entries", "lock", "newest")
 
@@ -148,14 +164,16 @@ class LentGrads:
         self.newest = 0  # the largest seq among entries: a replay captured after it overwrites none
         self.lock = threading.Lock()  # a reset on one thread may race a replay on another
 
-    def lend(self, seq: int, pass_id: int, lent: Sequence[tuple[_GradSlot, Tensor]]) -> None:
-        """Records the buffers one backward (capture ``seq``) lent: (slot, the tensor it returned)."""
+    def lend(self, seq: int, pass_id: int, lent: Sequence[tuple[_GradSlot, Tensor, bool]]) -> None:
+        """Records what one backward (capture ``seq``) handed out: (slot, the tensor it returned,
+        whether that is the lent buffer or a watched owned copy)."""
         with self.lock:
-            self.entries.extend(_Lent(seq, pass_id, slot, handed) for slot, handed in lent)
+            self.entries.extend(_Lent(seq, pass_id, slot, handed, is_lent) for slot, handed, is_lent in lent)
             self.newest = max(self.newest, seq)
 
     def sweep(self, seq: int) -> None:
-        """Before replaying a graph captured as ``seq``: copy out what it could overwrite."""
+        """Before replaying a graph captured as ``seq``: copy out what it could overwrite, and
+        learn from the watched copies."""
         if self.newest < seq:
             return  # every lending backward was captured before that graph (the backwards' order)
         with self.lock:
@@ -163,8 +181,16 @@ class LentGrads:
             for e in self.entries:
                 if e.seq < seq:
                     keep.append(e)  # captured after that graph: no block of it was free then
-                else:
-                    _copy_out(e)
+                elif not e.lent:
+                    kept = e.slot.param.grad is not None
+                    e.slot.learned = _KEPT if kept or e.slot.learned == _KEPT else _DROPPED
+                elif _copy_out(e):
+                    e.slot.learned = _KEPT
+                    log.info(
+                        "gograph: the lent gradient buffer %s was still .grad when a replay would overwrite it "
+                        "(the caller now keeps its grads): moved to memory of its own, owned from now on",
+                        e.slot.label,
+                    )
             self.entries = keep
             self.newest = max((e.seq for e in keep), default=0)
 
@@ -177,15 +203,17 @@ class LentGrads:
             self.entries = [e for e in self.entries if e.pass_id != pass_id]
             self.newest = max((e.seq for e in self.entries), default=0)
             for e in mine:
-                _copy_out(e, at_reset=True)
+                if e.lent:
+                    _copy_out(e, at_reset=True)
 
 
-def _copy_out(e: _Lent, at_reset: bool = False) -> None:
+def _copy_out(e: _Lent, at_reset: bool = False) -> bool:
+    """Copies a lent buffer out of every holder gograph can redirect; whether anything held it."""
     slot = e.slot
     storage = slot.storage
     assert storage is not None  # lent slots have one
     if _torch.storage_use_count(storage) <= slot.baseline:
-        return  # nothing but gograph holds it
+        return False  # nothing but gograph holds it
     for t in (slot.param.grad, e.handed()):
         if t is not None and t.data_ptr() == slot.data_ptr and t.untyped_storage().data_ptr() == storage.data_ptr():
             with torch.no_grad():
@@ -198,13 +226,14 @@ def _copy_out(e: _Lent, at_reset: bool = False) -> None:
                 "backward's values",
                 slot.label,
             )
-            return
+            return True
         raise RuntimeError(
             f"gograph: a tensor that shares the gradient buffer {slot.label} lent to .grad by an earlier backward is "
             "still alive (not that .grad itself, which was copied out), and this replay would overwrite it: "
             "graphed backwards of the default schedule lend their static parameter-gradient buffers to .grad. "
             "Clone a gradient you keep past the next forward (g = p.grad.clone()) instead of a view of it"
         )
+    return True
 
 
 _LENT: dict[str, LentGrads] = {}
@@ -236,8 +265,9 @@ class GraphedCallable:
       input grads views of ``static_grad_inputs``, overwritten by later backward replays; clone
       what must outlive them.
     * parameter grads never become a buffer a later replay overwrites while ``.grad`` holds it
-      (``clone_param_grads_on_return``, default): on the default schedule the lent static buffer,
-      copied out when needed (:class:`LentGrads`), else an owned clone when ``.grad`` is None.
+      (``clone_param_grads_on_return``, default), and a ``.grad`` that lives on keeps its address:
+      an owned copy when ``.grad`` is None, or on the default schedule, once the caller was seen
+      dropping its grads after each step, the lent static buffer (:class:`LentGrads`).
 
     ``reset()`` releases exactly this callable's graphs and pool references; a second call is
     harmless; calling it afterwards raises RuntimeError saying it was reset. A finalizer that
@@ -273,8 +303,14 @@ class GraphedCallable:
         # on another stream, so the stream is ordered after it before the copy-in (engine.order).
         self._order_copy_in = shared.engine.order if result.shared_grad_outputs else None
         self._single_output = result.output_spec.is_leaf()
-        self._nondiff_outputs = tuple(
-            i for i, rg in enumerate(result.output_requires_grad) if not (rg and result.has_backward)
+        # Captured with grad mode on, an output that did not require grad cannot carry one. Captured
+        # without (under no_grad, or TransformerEngine's eval-mode _order), nothing is marked: an
+        # output requires grad where eager's would, and a backward through it raises.
+        self._no_backward = None if result.has_backward else _no_backward_reason(spec)
+        self._nondiff_outputs = (
+            tuple(i for i, rg in enumerate(result.output_requires_grad) if not (rg and result.has_backward))
+            if spec.grad_enabled
+            else ()
         )
         self._init_call(spec, result)
         self._init_grads(result, shared)
@@ -301,7 +337,7 @@ class GraphedCallable:
         self._args_spec = spec.args_spec
         self._flat_args = spec.args_spec == flat_tuple_spec(spec.args_spec.num_leaves)
         self._nograd_args = (
-            tuple(i for i, s in enumerate(result.static_inputs) if not s.requires_grad) if result.has_backward else ()
+            tuple(i for i, s in enumerate(result.static_inputs) if not s.requires_grad) if spec.grad_enabled else ()
         )
         self._kwargs_keys = spec.kwargs_keys
         self._kwargs_spec = spec.kwargs_spec
@@ -326,7 +362,7 @@ class GraphedCallable:
         )
         self.lent_param_grads = sum(1 for s in self._param_grad_slots if s.policy == _plan.GRAD_LEND)
         self._lent = shared.lent if self.lent_param_grads else None
-        self._fwd_seq, self._bwd_seq = result.seq
+        self._fwd_seq, self._bwd_seq, self._wgrad_seq = result.seq
 
     # -- introspection ------------------------------------------------------------------------
     @property
@@ -557,27 +593,37 @@ class GraphedCallable:
         """A parameter grad must not silently *become* a static buffer (pytorch#181723): when
         ``.grad`` is None, AccumulateGrad steals the incoming tensor as ``.grad``. It gets an
         owned copy (one backward's copies share one allocation: :mod:`gograph._grad_pack`), or
-        (policy lend, unless ``lend`` is False: a create_graph backward, whose once-differentiable
-        wrapper keeps aliases of it that nobody can redirect) the buffer itself with the
-        lent-grad registry watching it. When ``.grad`` exists AccumulateGrad
-        only adds into it, so nothing is cloned."""
-        lent: list[tuple[_GradSlot, Tensor]] = []
+        (policy lend, once the slot learnt that the caller drops its grads, unless ``lend`` is
+        False: a create_graph backward, whose once-differentiable wrapper keeps aliases of it
+        that nobody can redirect) the buffer itself; the lent-grad registry watches both until
+        the next replay that could overwrite the buffer. When ``.grad`` exists AccumulateGrad
+        only adds into it in place, so nothing is cloned (and the slot learns the caller keeps
+        its grads)."""
+        handed: list[tuple[_GradSlot, Tensor, bool]] = []
         copied: list[int] = []
+        watched: list[_GradSlot] = []
         can_lend = lend and self._lent is not None and not self._released
         for slot in self._param_grad_slots:
             i = slot.index
             g = out[i]
-            if g is None or slot.param.grad is not None:
+            lendable = can_lend and slot.policy == _plan.GRAD_LEND
+            if g is None:
                 continue
-            if can_lend and slot.policy == _plan.GRAD_LEND:
-                lent.append((slot, g))
-            else:
-                copied.append(i)
+            if slot.param.grad is not None:  # accumulated into: the caller keeps its grads
+                slot.learned = _KEPT
+                continue
+            if lendable and slot.learned == _DROPPED:
+                handed.append((slot, g, True))
+                continue
+            copied.append(i)
+            if lendable and slot.learned == _UNKNOWN:
+                watched.append(slot)
         if copied:  # one allocation for all of them (_grad_pack: the default pool's packing)
             for i, c in zip(copied, owned_copies([out[i] for i in copied])):  # type: ignore[misc]
                 out[i] = c
-        if lent:
-            self._lent.lend(self._bwd_seq, self.pass_id, lent)  # type: ignore[union-attr]
+            handed += [(slot, out[slot.index], False) for slot in watched]  # type: ignore[misc]
+        if handed:
+            self._lent.lend(self._bwd_seq, self.pass_id, handed)  # type: ignore[union-attr]
 
     def backward_dw(self) -> None:
         """Replays this pass's delayed weight-gradient graph (TransformerEngine's ``backward_dw``):
@@ -595,6 +641,11 @@ class GraphedCallable:
             )
         if wgrad is None:
             return
+        if self._check_replay_order:  # debug guard: refuse before anything is launched
+            _core.check_replay_order(self.pass_id, WGRAD)
+        lent = self.shared.lent
+        if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
+            lent.sweep(self._wgrad_seq)
         self.engine.replay(self.pass_id, WGRAD)
         if self._check_replay_order and WATCH.watches(self.pass_id, WGRAD):
             WATCH.after_replay(self.pass_id, WGRAD, [])
@@ -680,6 +731,26 @@ class GraphedCallable:
         log.debug("gograph: reset pass %d (%s)", self.pass_id, self.label)
 
 
+def _no_backward_reason(spec: PassSpec) -> str:
+    """Why a pass has no backward graph, and what to do, for a backward that reaches it."""
+    where = f"gograph: graphed callable {spec.index} ({spec.label}) has no backward graph"
+    if spec.grad_enabled:
+        return (
+            f"{where}: none of its outputs required grad at capture (its sample args and parameters needed none). "
+            "Graph it with sample args that require grad where gradients should flow"
+        )
+    if spec.te_grads and spec.training is False:  # _order: TransformerEngine's inference rule
+        return (
+            f"{where}: with _order, modules in eval mode are graphed forward-only (TransformerEngine's inference "
+            "rule), so no gradient flows through it. Graph the modules in train() mode to train through them, or "
+            "call it under torch.no_grad()"
+        )
+    return (
+        f"{where}: it was graphed under torch.no_grad(), so no gradient flows through it. Graph it with grad "
+        "mode on (outside torch.no_grad()) to train through it, or call it under torch.no_grad()"
+    )
+
+
 def _finalize(engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | None) -> None:
     try:
         WATCH.forget(pass_id)
@@ -744,6 +815,8 @@ class _GraphedFunction(torch.autograd.Function):
 
 def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
     graphed: GraphedCallable = ctx.graphed
+    if graphed._no_backward is not None:
+        raise RuntimeError(graphed._no_backward)
     if getattr(ctx, "gograph_backward_done", False) and not graphed._retain_graph_in_backward:
         # The backward graph consumes its forward's activations (their pool memory is reused
         # inside the backward graph), so a second run would compute from overwritten memory.

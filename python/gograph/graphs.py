@@ -179,14 +179,17 @@ def make_graphed_callables(
         The graphed callable(s), in the structure of ``callables``: a module is returned itself
         with ``forward`` replaced by its :class:`GraphedCallable` (which runs the original forward
         when ``module.training`` differs from its value at capture), and ``reset`` and
-        ``backward_dw`` set; a function as its GraphedCallable. Modules in eval mode are captured
-        under ``torch.no_grad()``. The generator state is restored after the call.
+        ``backward_dw`` set; a function as its GraphedCallable. A callable gets a backward graph when
+        grad mode is on and its outputs require grad, in train or eval mode (eager's rule); under
+        ``torch.no_grad()``, or with ``_order`` and modules in eval mode (TransformerEngine's
+        rule), it is forward-only and a backward through it raises. The generator state is
+        restored after the call.
 
     Raises:
         RuntimeError: autocast with caching; CUDA tensors without the CUDA core; called during a
             capture. AssertionError: module hooks, buffers requiring grad, non-Tensor sample leaves
             (torch's messages). ValueError: empty callables, sample_args not one tuple per callable,
-            mixed train/eval modules, a module twice or already graphed, tensors off the engine's
+            mixed train/eval modules with ``_order``, a module twice or already graphed, tensors off the engine's
             device, a malformed ``_order``. TypeError: a list of callables, a non-callable, a
             GraphedCallable, bad option types, an unknown keyword. NotImplementedError: FP8.
         Exception: an exception raised by a callable during warmup or capture is raised again (same

@@ -8,7 +8,7 @@ import torch
 import gograph
 from gograph.engines import BACKWARD, FORWARD
 
-from helpers import batches, grads_equal, make_mlp, params_equal, twin
+from helpers import batches, grads_equal, learn_dropped_grads, make_mlp, params_equal, twin
 
 
 def test_module_train_mode_matches_eager_bitwise():
@@ -113,12 +113,13 @@ def test_tuple_captures_share_one_pool_with_one_reference_per_capture(eager_engi
     assert eager_engine.pool_refs(pool) == 0
 
 
-def test_eval_mode_forward_only_and_training_flag_fallback():
+def test_no_grad_build_is_forward_only_and_training_flag_fallback():
     model = make_mlp()
     model.eval()
     ref = twin(model)
     sample = torch.randn(5, 8)
-    gograph.make_graphed_callables(model, (sample,))
+    with torch.no_grad():
+        gograph.make_graphed_callables(model, (sample,))
     gcall = model.forward
     assert not gcall.has_backward
     assert gcall.static_grad_inputs == (None,) * len(gcall.static_input_surface)
@@ -126,10 +127,17 @@ def test_eval_mode_forward_only_and_training_flag_fallback():
         gcall.engine.replay(gcall.pass_id, BACKWARD)  # the core knows there is no backward graph
 
     x = torch.randn(5, 8)
-    out = model(x)
-    assert not out.requires_grad  # captured under no_grad: no backward node
+    with torch.no_grad():
+        out = model(x)
+    assert not out.requires_grad
     assert torch.equal(out, ref(x))
     assert out.data_ptr() == gcall.static_outputs[0].data_ptr()
+    # under grad mode the output requires grad where eager's does; a backward through it raises
+    # (never a silently dropped gradient)
+    out = model(x)
+    assert out.requires_grad and ref(x).requires_grad
+    with pytest.raises(RuntimeError, match=r"graphed under torch\.no_grad\(\), so no gradient flows through it"):
+        out.sum().backward()
 
     # train mode differs from the captured mode: the original forward runs eagerly
     static_before = gcall.static_outputs[0].clone()
@@ -218,6 +226,7 @@ def test_skip_backward_post_hook_params_are_not_cloned():
     marked.skip_backward_post_hook = True
     gograph.make_graphed_callables(model, (torch.randn(4, 8),))
     static = model.forward.static_grad_inputs[1]
+    learn_dropped_grads(model, torch.randn(4, 8))
     model(torch.randn(4, 8)).sum().backward()
     assert marked.grad.data_ptr() == static.data_ptr()  # handed over as is, by request
     others = list(model.parameters())[1:]
@@ -246,6 +255,7 @@ def test_lent_grads_returned_by_autograd_grad_are_copied_out():
 def test_a_kept_view_of_a_lent_grad_raises_before_the_replay_changes_it():
     model = make_mlp()
     gograph.make_graphed_callables(model, (torch.randn(4, 8),))
+    learn_dropped_grads(model, torch.randn(4, 8))
     model(torch.randn(4, 8)).sum().backward()
     view = next(iter(model.parameters())).grad.view(-1)
     before = view.clone()
@@ -259,6 +269,7 @@ def test_a_refused_replay_copies_out_once_the_view_is_gone():
     ref = twin(model)
     gograph.make_graphed_callables(model, (torch.randn(4, 8),))
     x1, x2 = batches(2, (4, 8), seed=6)
+    learn_dropped_grads(model, x1)
     model(x1).sum().backward()
     ref(x1).sum().backward()
     view = next(iter(model.parameters())).grad.view(-1)
@@ -346,7 +357,12 @@ def test_graph_mode_under_no_grad_context():
     with torch.no_grad():
         gograph.make_graphed_callables(model, (torch.randn(2, 8),))
     assert not model.forward.has_backward
-    assert not model(torch.randn(2, 8)).requires_grad
+    with torch.no_grad():
+        assert not model(torch.randn(2, 8)).requires_grad
+    out = model(torch.randn(2, 8))  # grad mode: requires grad as eager's would, and cannot be trained through
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="graphed under torch.no_grad"):
+        out.sum().backward()
 
 
 def test_rng_dropout_matches_eager_and_graphing_does_not_shift_rng():

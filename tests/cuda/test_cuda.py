@@ -180,13 +180,15 @@ def test_tuple_of_callables_on_cuda_matches_eager(cuda_device, no_tf32):
 def test_eval_mode_on_cuda_and_training_flag_fallback(cuda_device, no_tf32):
     model = make_mlp(dropout=0.5, device=cuda_device).eval()
     ref = twin(model)
-    gograph.make_graphed_callables(model, (torch.randn(4, 8, device=cuda_device),))
+    with torch.no_grad():  # forward-only: under grad mode an eval module gets a backward, as eagerly
+        gograph.make_graphed_callables(model, (torch.randn(4, 8, device=cuda_device),))
     gcall = model.forward
     assert not gcall.has_backward
     assert gograph._native.core.pass_graph(gcall.pass_id, FORWARD) != 0
     assert gograph._native.core.pass_graph(gcall.pass_id, BACKWARD) == 0
     x = torch.randn(4, 8, device=cuda_device)
-    out = model(x)
+    with torch.no_grad():
+        out = model(x)
     assert not out.requires_grad and torch.equal(out, ref(x))
     model.train()
     out_train = model(x)  # original forward, eagerly, with dropout and autograd

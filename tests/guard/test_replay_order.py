@@ -64,7 +64,8 @@ def test_training_order_repeated_passes_and_matches_eager():
 def test_eval_only_chains_pass():
     # Graphed in eval mode: forward-only passes never stay open.
     mods = _layers(3, training=False)
-    _graph(mods)
+    with torch.no_grad():
+        _graph(mods)
     x = torch.randn(4, 8)
     for _ in range(3):
         for order in (mods, mods[::-1], [mods[2], mods[0]]):

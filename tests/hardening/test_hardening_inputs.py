@@ -4,6 +4,7 @@ forward, generator state untouched). CPU (eager engine) unless marked ``cuda``."
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 
@@ -88,24 +89,34 @@ def test_non_tensor_leaf_inside_a_pytree():
         mgc((lambda a: a * 2, lambda d: d["a"]), ((torch.randn(2),), ({"a": torch.randn(2), "b": "label"},)))
 
 
-def test_modules_mixing_train_and_eval_are_refused():
-    m0, m1, m2 = make_mlp(seed=0), make_mlp(seed=1, d_in=4).eval(), make_mlp(seed=2, d_in=4)
+def test_modules_mixing_train_and_eval_are_accepted_per_callable():
+    """As torch's make_graphed_callables: each callable keeps its mode (an eval layer's forward is
+    its eval forward) and, under grad mode, gets a backward (its parameters require grad)."""
+    m0, m1, m2 = make_mlp(seed=0), make_mlp(seed=1, d_in=4, dropout=0.5).eval(), make_mlp(seed=2, d_in=4)
+    refs = [copy.deepcopy(m) for m in (m0, m1, m2)]
     args = ((torch.randn(2, 8),), (torch.randn(2, 4),), (torch.randn(2, 4),))
-    probe = _NoSideEffects(m0, m1, m2)
-    with pytest.raises(ValueError) as info:
-        mgc((m0, m1, m2), args)
-    msg = str(info.value)
-    assert "all in training mode or all in eval mode" in msg
-    assert "[0, 2] are training" in msg and "[1] are in eval" in msg and ".train() or .eval()" in msg
-    probe.check()
-    # all eval, or all train, is fine; functions do not count
-    m0.eval(), m2.eval()
-    mgc(
-        (m0, m1, lambda a: a * 2, m2),
-        ((torch.randn(2, 8),), (torch.randn(2, 4),), (torch.randn(2),), (torch.randn(2, 4),)),
-    )
+    mgc((m0, m1, m2), args)
+    assert [m.forward.has_backward for m in (m0, m1, m2)] == [True, True, True]
+    x = torch.randn(2, 4)
+    assert torch.equal(m1(x), refs[1](x))  # eval: dropout off, as eagerly
+    m1(x).square().sum().backward()
+    refs[1](x).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(m1.parameters(), refs[1].parameters()))
     for m in (m0, m1, m2):
         m.reset()
+
+
+def test_modules_mixing_train_and_eval_are_refused_with_order():
+    """TransformerEngine's rule for its _order call shape: the modules all in one mode."""
+    m0, m1 = make_mlp(seed=0, d_in=4, d_out=4), make_mlp(seed=1, d_in=4, d_out=4).eval()
+    args = tuple((torch.randn(2, 4),) for _ in range(2))
+    probe = _NoSideEffects(m0, m1)
+    with pytest.raises(ValueError) as info:
+        mgc((m0, m1), args, _order=[1, 2, -2, -1], _num_layers_per_chunk=[1, 1])
+    msg = str(info.value)
+    assert "all in training mode or all in" in msg and "[0] are training" in msg and "[1] are in eval" in msg
+    assert ".train() or .eval()" in msg
+    probe.check()
 
 
 def test_same_module_twice_is_refused():
@@ -226,7 +237,7 @@ def test_failed_argument_checks_leave_no_pass_and_no_pool_refs():
     x, y = torch.randn(2, 8), torch.randn(2)
     probe = _NoSideEffects(m0, m1)
     for bad in [
-        lambda: mgc((m0, m1), ((x,), (x,)), pool=pool, engine=eng),
+        lambda: mgc((m0, m0), ((x,), (x,)), pool=pool, engine=eng),
         lambda: mgc((m0, 5), ((x,), (y,)), pool=pool, engine=eng),
         lambda: mgc((m0,), ((x, object()),), pool=pool, engine=eng),
     ]:
@@ -343,11 +354,14 @@ def test_requires_grad_where_the_sample_did_not_is_refused():
     graphed_ab(torch.randn(2, 3, requires_grad=True).detach(), torch.randn(2, 3))
 
 
-def test_requires_grad_mismatch_is_fine_without_a_backward_graph():
-    m = make_mlp().eval()
-    mgc(m, (torch.randn(2, 8),))
-    out = m(torch.randn(2, 8, requires_grad=True))  # eval: no backward graph, no grad expected
-    assert not out.requires_grad
+def test_an_arg_requiring_grad_reaches_a_forward_only_callable():
+    m = make_mlp()
+    with torch.no_grad():
+        mgc(m, (torch.randn(2, 8),))
+    out = m(torch.randn(2, 8, requires_grad=True))  # no backward graph: the grad is not dropped silently
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=r"has no backward graph: it was graphed under torch\.no_grad\(\)"):
+        out.sum().backward()
     m.reset()
 
 

@@ -37,6 +37,14 @@ def _step(calls: Sequence[Callable[..., Any]], x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone()
 
 
+def _learn_dropped_grads(graphed: Sequence[Callable[..., Any]], layers: Sequence[torch.nn.Module]) -> None:
+    """A step whose grads are dropped: the callables lend their grad buffers from the next
+    backward after the next replay on (they lend only once the caller was seen dropping grads)."""
+    _step(graphed, torch.randn(4, FEATURES))
+    for m in layers:
+        m.zero_grad(set_to_none=True)
+
+
 def _train(
     calls: Sequence[Callable[..., Any]], layers: Sequence[torch.nn.Module], set_to_none: bool, micro: int, seed: int
 ) -> None:
@@ -144,6 +152,7 @@ def test_a_held_grad_is_copied_out_before_the_next_replay_overwrites_it() -> Non
     layers = _layers(2)
     ref = copy.deepcopy(layers)
     graphed = _graph(layers)
+    _learn_dropped_grads(graphed, layers)
     p, q = layers[1].fc.weight, ref[1].fc.weight
     x0, x1 = torch.randn(4, FEATURES), torch.randn(4, FEATURES)
     _step(graphed, x0)
@@ -164,6 +173,7 @@ def test_an_old_grad_taken_off_its_parameter_and_kept_raises() -> None:
     that would overwrite it refuses (nothing launched) instead of changing it."""
     layers = _layers(2)
     graphed = _graph(layers)
+    _learn_dropped_grads(graphed, layers)
     _step(graphed, torch.randn(4, FEATURES))
     held = layers[1].fc.weight.grad
     value = held.clone()
@@ -181,6 +191,7 @@ def test_an_old_grad_taken_off_its_parameter_and_kept_raises() -> None:
 def test_a_view_of_an_old_grad_raises_instead_of_being_overwritten() -> None:
     layers = _layers(2)
     graphed = _graph(layers)
+    _learn_dropped_grads(graphed, layers)
     _step(graphed, torch.randn(4, FEATURES))
     view = layers[0].fc.weight.grad.view(-1)  # a view gograph cannot redirect
     for m in layers:

@@ -140,6 +140,10 @@ def test_lent_grad_is_the_graph_buffer(layers) -> None:
     dev = next(mods[0].parameters()).device
     graphed[1](graphed[0](torch.randn(ROWS, D, device=dev))).sum().backward()
     static = graphed[1].forward.static_grad_inputs[1]
+    assert mods[1].fc.weight.grad.data_ptr() != static.data_ptr()  # the first grad is owned
+    for m in mods:  # the grads are dropped after a step: the next backward lends
+        m.zero_grad(set_to_none=True)
+    graphed[1](graphed[0](torch.randn(ROWS, D, device=dev))).sum().backward()
     assert mods[1].fc.weight.grad.data_ptr() == static.data_ptr()
     held = mods[1].fc.weight.grad
     graphed[1](graphed[0](torch.randn(ROWS, D, device=dev))).sum().backward()  # accumulates

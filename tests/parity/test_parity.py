@@ -24,8 +24,19 @@ def test_warmup_outputs_released_before_the_next_warmup_iteration():
 
 
 def test_eval_mode_warmup_outputs_released_even_when_inputs_require_grad():
+    # an eval module under grad mode is differentiable, as eagerly: its outputs die at its backward
     rec = OutputRecorder().eval()
     gograph.make_graphed_callables(rec, (torch.randn(4, 8, requires_grad=True),), num_warmup_iters=3)
+    assert rec.alive_at_call == [0, 0, 0, 0]
+    assert all(r() is None for r in rec.refs[:3])
+    assert rec.forward.has_backward is True
+    rec.reset()
+
+
+def test_no_grad_warmup_outputs_released_at_once():
+    rec = OutputRecorder().eval()
+    with torch.no_grad():
+        gograph.make_graphed_callables(rec, (torch.randn(4, 8, requires_grad=True),), num_warmup_iters=3)
     assert rec.alive_at_call == [0, 0, 0, 0]
     assert all(r() is None for r in rec.refs[:3])
     assert rec.forward.has_backward is False

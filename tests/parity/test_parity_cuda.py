@@ -106,7 +106,8 @@ def test_separate_calls_share_one_pool(cuda_device, no_tf32, pool_maker):
 def test_eval_graphing_releases_warmup_activations_immediately(cuda_device):
     rec = OutputRecorder(width=1024).to(cuda_device).eval()
     x = torch.randn(4096, 1024, device=cuda_device, requires_grad=True)
-    gograph.make_graphed_callables(rec, (x,), num_warmup_iters=3)
+    with torch.no_grad():  # forward-only (an eval module under grad mode gets a backward, as eagerly)
+        gograph.make_graphed_callables(rec, (x,), num_warmup_iters=3)
     assert rec.alive_at_call == [0, 0, 0, 0]
     assert rec.forward.has_backward is False
     rec.reset()
