@@ -24,7 +24,10 @@ Q := $(if $(V),,@)
 
 # What the tests and the build need in every venv (the CUDA runtime package for cuda.h).
 TEST_DEPS := "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel "nvidia-cuda-runtime-cu12>=12.4,<13" \
-	"transformers==5.24.0; python_version >= '3.11'"
+	"transformers==5.24.0; python_version >= '3.11'" "hypothesis==6.170.27"
+# Only in the full venv: the suites marked one_python need them (Megatron-Core depends on torch,
+# which a lean venv links instead of installing).
+FULL_DEPS := "megatron-core==0.19.2"
 # Set by `make test-pythons`: the venv gets the full venv's torch without another copy of its
 # CUDA libraries or triton (build_support/lean_venv.py; ~1.5 GB instead of ~5).
 LEAN_FROM ?=
@@ -35,7 +38,7 @@ $(VENV)/.ready: pyproject.toml
 	$(Q)$(PYTHON) -m venv $(VENV)
 	$(Q)$(PY) -m pip install -q --upgrade pip
 ifeq ($(LEAN_FROM),)
-	$(Q)$(PY) -m pip install -q "$(TORCH_SPEC)" $(TEST_DEPS) "ruff==0.17.6" "mypy==2.4.1"
+	$(Q)$(PY) -m pip install -q "$(TORCH_SPEC)" $(TEST_DEPS) $(FULL_DEPS) "ruff==0.17.6" "mypy==2.4.1"
 else
 	$(Q)$(PY) -m pip install -q $(TEST_DEPS)
 	$(Q)$(PY) build_support/lean_venv.py --full-venv $(LEAN_FROM)
@@ -71,8 +74,10 @@ test-go: vet build
 	$(GO) test -race -count=1 ./...
 	$(Q)CGO_CPPFLAGS="-I$(CUDA_INCLUDE)" LIBRARY_PATH="$(CURDIR)/_gopy_build/cudastub" $(GO) vet -tags cuda ./...
 
+# PYTEST_ARGS: `make test-pythons` passes -m "not one_python" (slow suites run once, on .venv's CPython).
+PYTEST_ARGS ?=
 test-py: build
-	PYTHONPATH=python $(PY) -m pytest -q tests
+	PYTHONPATH=python $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 # The README's test command: static checks, Go vet + race tests, both flavors compiled, pytest
 # (CPU here; `cuda`-marked tests skip with a reason when there is no GPU), and a short run of
@@ -102,7 +107,7 @@ test-pythons: venv
 	$(Q)for v in $(PYTHONS); do \
 	  py="$$(ls -d $(HOME)/.pyenv/versions/$$v.*/bin/python$$v 2>/dev/null | tail -1)"; py="$${py:-$$(command -v python$$v)}"; \
 	  test -n "$$py" || { echo "no CPython $$v found (pyenv install $$v, or put python$$v on PATH)"; exit 1; }; \
-	  echo "== CPython $$v ($$py)"; $(MAKE) --no-print-directory test-py PYTHON=$$py VENV=.venv-$$v LEAN_FROM=$(VENV) || exit 1; \
+	  echo "== CPython $$v ($$py)"; $(MAKE) --no-print-directory test-py PYTHON=$$py VENV=.venv-$$v LEAN_FROM=$(VENV) PYTEST_ARGS='-m "not one_python"' || exit 1; \
 	done
 
 # Release artifacts. The sdist carries the Go sources (MANIFEST.in); each wheel is built from it
