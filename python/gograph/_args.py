@@ -46,6 +46,7 @@ class GraphOptions(TypedDict, total=False):
 
     engine: Any
     clone_param_grads_on_return: bool
+    lend_param_grads: bool | None
     debug_replay_order: bool | None
     progress: bool
     chain_buffers: bool
@@ -87,6 +88,7 @@ class Request:
     pool: Hashable | None
     engine: Any
     clone_param_grads: bool
+    lend_param_grads: bool | None
     debug_replay_order: bool | None
     progress: bool
     chain: bool
@@ -230,8 +232,15 @@ def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: in
     if mode not in CAPTURE_MODES:
         raise ValueError(f"gograph: capture_error_mode must be one of {sorted(CAPTURE_MODES)} (torch's), got {mode!r}")
     debug = options.get("debug_replay_order")
+    lend = options.get("lend_param_grads")
+    if lend is not None and not isinstance(lend, bool):
+        raise TypeError(
+            f"gograph: lend_param_grads must be None (lend once the grads are seen dropped after a step), True "
+            f"(lend from the first backward) or False (never lend), got {type(lend).__name__}"
+        )
     return {
         "clone_param_grads": bool(clone),
+        "lend_param_grads": lend,
         "retain_graph": retain,
         "reuse": reuse,
         "chain": chain,

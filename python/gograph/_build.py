@@ -296,6 +296,7 @@ class Build:
             retain_graph_in_backward=self.req.retain_graph,
             buffer_reuse=self.reuse,
             lent=lent_grads(self.engine.pool_key(self.pool)),
+            lend_param_grads=self.req.lend_param_grads,
         )
         guards = shared_inputs(
             [st.flat_args for st in self.states],

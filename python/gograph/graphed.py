@@ -96,6 +96,7 @@ class Shared:
     retain_graph_in_backward: bool = False
     buffer_reuse: BufferReuse | None = None
     lent: LentGrads | None = None
+    lend_param_grads: bool | None = None  # the option: None learns, True lends at once, False never
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +361,9 @@ class GraphedCallable:
             for k, p in enumerate(result.params)
             if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None
         )
+        start = {None: _UNKNOWN, True: _DROPPED, False: _KEPT}[shared.lend_param_grads]
+        for s in self._param_grad_slots:
+            s.learned = start
         self.lent_param_grads = sum(1 for s in self._param_grad_slots if s.policy == _plan.GRAD_LEND)
         self._lent = shared.lent if self.lent_param_grads else None
         self._fwd_seq, self._bwd_seq, self._wgrad_seq = result.seq

@@ -138,6 +138,14 @@ def make_graphed_callables(
             backward's copies share one allocation, freed with the last of them); an
             in-place add when ``.grad`` exists. Parameters with ``skip_backward_post_hook=True`` are
             never cloned. False: torch's aliasing (pytorch#181723).
+        lend_param_grads: where parameter grads may be lent (the default schedule), when: None
+            (default) once the callable has seen the caller drop its grads after a step (a
+            parameter's first grad is an owned copy, so a ``.grad`` that lives on --
+            ``zero_grad(set_to_none=False)``, accumulation -- keeps its address, as eagerly);
+            True from the first backward, for loops that set the grads to None before the next
+            forward (the first step then costs no owned copies; a ``.grad`` kept past the next
+            replay is copied out once, so its address moves once, and the callable stops
+            lending); False never (owned copies).
         capture_error_mode: ``"global"`` (default), ``"thread_local"`` or ``"relaxed"``, as for
             ``torch.cuda.graph``.
         debug_replay_order: check every replay against the capture order of the graphs sharing its

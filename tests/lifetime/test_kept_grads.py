@@ -167,3 +167,27 @@ def test_captured_optimizer_step_trains_like_eager(cuda_device: torch.device, mi
     want = _captured_step_training(ref, micro, 4, set_to_none=False)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     model.reset()
+
+
+def _lends(model: torch.nn.Sequential) -> list[bool]:
+    """Per step of three (grads dropped after each): whether ``.grad`` was the static buffer."""
+    static = model.forward.static_grad_inputs[model.forward.len_user_args]  # type: ignore[union-attr]
+    out = []
+    for x in _batches(3, "cpu"):
+        _step([model], x)
+        out.append(model[0].weight.grad.data_ptr() == static.data_ptr())  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize(("lend", "want"), [(None, [False, True, True]), (True, [True] * 3), (False, [False] * 3)])
+def test_lend_param_grads_says_when_grads_are_lent(lend: bool | None, want: list[bool]) -> None:
+    model = _model("cpu")
+    gograph.make_graphed_callables(model, (torch.randn(4, 8, requires_grad=True),), lend_param_grads=lend)
+    assert _lends(model) == want
+    model.reset()
+
+
+def test_lend_param_grads_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="lend_param_grads must be None .* True .* or False"):
+        gograph.make_graphed_callables(_model("cpu"), (torch.randn(4, 8),), lend_param_grads="yes")  # type: ignore[typeddict-item]
