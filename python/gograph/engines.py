@@ -25,13 +25,14 @@ import gc
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import _core, _native, _observe, _torch
+from . import _capture_state, _core, _native, _observe, _torch
 from ._rng import RngCompanions, _OnStream
 
 __all__ = [
@@ -578,6 +579,8 @@ class _EagerEntry:
     grad_enabled: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...] = ()  # (device type, enabled, dtype) at capture
     autocast_cache: bool = True
+    module: weakref.ReferenceType[torch.nn.Module] | None = None  # the module its pass calls
+    state: tuple[_capture_state.StateFactory, ...] = ()  # what integrations recorded at capture
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -588,11 +591,14 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 
 def _as_captured(entry: _EagerEntry) -> contextlib.ExitStack:
-    """The autocast state of the capture: a CUDA graph replays the kernels it recorded, whatever
-    autocast says at replay time, so the eager engine's re-run must see the capture's state."""
+    """The state of the capture: a CUDA graph replays the kernels it recorded, whatever autocast
+    (or a framework's state) says at replay time, so the eager engine's re-run must see the
+    capture's -- and no hook of the module's own (:mod:`gograph._capture_state`)."""
     stack = contextlib.ExitStack()
     for device, enabled, dtype in entry.autocast:
         stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=entry.autocast_cache))
+    if entry.module is not None:
+        stack.enter_context(_capture_state.entered(entry.module, entry.state))
     return stack
 
 
@@ -657,8 +663,17 @@ class EagerEngine(Engine):
         # capture-time arguments are not kept (they hold the capture's autograd graph).
         args = body_args if kind == FORWARD else ()
         record = self._passes.setdefault(pass_id, _EagerPassRecord())
+        forward = body if kind == FORWARD else getattr(record.entries.get(FORWARD), "body", None)
+        module = getattr(forward, "module", None)  # the module a forward body calls (None: a function)
         record.entries[kind] = _EagerEntry(
-            body, args, static, torch.is_grad_enabled(), _autocast_state(), torch.is_autocast_cache_enabled()
+            body,
+            args,
+            static,
+            torch.is_grad_enabled(),
+            _autocast_state(),
+            torch.is_autocast_cache_enabled(),
+            weakref.ref(module) if module is not None else None,
+            _capture_state.record(module),
         )
         return result, seq
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _core, _plan, _torch
-from ._bodies import flat_tuple_spec
+from ._bodies import RUNNING, flat_tuple_spec
 from ._grad_pack import owned_copies
 from ._handouts import WATCH
 from ._shared_inputs import SharedInput
@@ -365,8 +365,8 @@ class GraphedCallable:
     def __call__(self, *user_args: Any, **user_kwargs: Any) -> Any:
         if self._module_ref is not None:
             module = self._module_ref()
-            if module is not None and module.training != self._training:
-                return self._call_original(module, user_args, user_kwargs)  # graphed in the other mode
+            if module is not None and (module.training != self._training or RUNNING.module is module):
+                return self._call_original(module, user_args, user_kwargs)  # other mode, or its own body
         if self._released:
             self._raise_reset()
         opts, flat = self._flatten_call(user_args, user_kwargs)
@@ -387,6 +387,11 @@ class GraphedCallable:
         return pytree.tree_unflatten(out, self.output_spec)
 
     def _call_original(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's own forward: graphed in the other train/eval mode, or called from the body
+        of one of its passes (a build or an eager replay calls the module through ``__call__``,
+        which reaches the forward this callable replaced; a graph never calls back into Python)."""
+        if module.training == self._training and module.__dict__.get("forward") is not self:
+            self._raise_called_back(module)
         fn = self.original_forward
         if fn is None:  # pragma: no cover - set for every module
             raise RuntimeError("gograph: original forward unavailable")
@@ -670,6 +675,17 @@ class GraphedCallable:
             "tensor: copying into the buffer would change the previous callable's output, which you hold and its "
             "backward may read. Call the layers in the order they were graphed, each on the previous one's "
             "output, or graph without chain_buffers"
+        )
+
+    def _raise_called_back(self, module: torch.nn.Module) -> None:
+        raise RuntimeError(
+            f"gograph: graphed callable {self.index} ({self.label}) was called from inside its own module's "
+            f"__call__, while gograph ran {type(module).__name__} for a build or an eager replay: the class's "
+            "__call__ routes to the graphed callables it was given (as Megatron-Core's layers do once "
+            "`cuda_graphs` is set), so the call it was graphed through cannot run again. The eager engine "
+            "re-runs a module's __call__ at each replay, in the state it was captured in (autocast, and what "
+            "integrations record); for Megatron-Core call gograph.integrations.megatron.use_gograph(), which "
+            "records Megatron's capture state"
         )
 
     def _raise_reset(self) -> None:
