@@ -355,6 +355,11 @@ class CudaEngine(Engine):
                 _torch.synchronize()
                 _torch.empty_cache()  # as torch.cuda.graph: the pool can grow into cached blocks
                 return self._capture_with_companion(pass_id, kind, body, body_args, pool, uses_rng is not False, mode)
+        except Exception as e:
+            explained = explain_capture_error(e)
+            if explained is None:
+                raise
+            raise explained from e
         finally:
             if gc_enabled:
                 gc.enable()
@@ -527,6 +532,39 @@ class CudaEngine(Engine):
                 active += int(seg.get("active_size", 0))
                 segments += 1
         return reserved, active, segments
+
+
+#: How an implicit synchronization with the legacy default stream reads: torch's message for
+#: cudaErrorStreamCaptureImplicit, and the driver's name of the code the core reports.
+_IMPLICIT_SYNC = (
+    "legacy stream depend on a capturing",
+    "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+    "cudaErrorStreamCaptureImplicit",
+)
+
+
+def explain_capture_error(e: Exception) -> Exception | None:
+    """``e`` again, of its type, with what to do when a capture failed because work on the legacy
+    default stream had to wait for it; None for any other error (or a type not built from a
+    message)."""
+    text = str(e)
+    if not any(sig in text for sig in _IMPLICIT_SYNC):
+        return None
+    hint = (
+        " [the capture made the legacy default stream wait for it: autograd synchronizes a backward "
+        "with the stream each of its nodes was created on, and nodes created while the default stream "
+        "was current -- a DistributedDataParallel wrapper's gradient accumulators above all -- tie it "
+        "into every backward capture. Build the model wrapper while a side stream is current: "
+        "Megatron-LM's initialize makes one current (torch.cuda.set_stream(torch.cuda.Stream())) for "
+        "cuda_graph_impl='transformer_engine' and get_model builds DDP under its own stream; for torch's "
+        "DDP, `with torch.cuda.stream(side): model = DDP(model)` and graph with "
+        "engine=gograph.CudaEngine(device, stream=side)]"
+    )
+    try:
+        new = type(e)(text + hint)
+    except Exception:
+        return None
+    return new if type(new) is type(e) else None
 
 
 def _abort(pass_id: int, kind: int, stream: int) -> None:
