@@ -24,7 +24,7 @@ Q := $(if $(V),,@)
 
 # What the tests and the build need in every venv (the CUDA runtime package for cuda.h).
 TEST_DEPS := "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel "nvidia-cuda-runtime-cu12>=12.4,<13" \
-	"transformers==5.24.0; python_version >= '3.11'"
+	"transformers==5.24.0; python_version >= '3.11'" "megatron-core==0.19.2; python_version >= '3.12'"
 # Set by `make test-pythons`: the venv gets the full venv's torch without another copy of its
 # CUDA libraries or triton (build_support/lean_venv.py; ~1.5 GB instead of ~5).
 LEAN_FROM ?=
