@@ -27,7 +27,7 @@ TEST_DEPS := "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel "nvidia-
 	"transformers==5.24.0; python_version >= '3.11'" "hypothesis==6.170.27"
 # Only in the full venv: the suites marked one_python need them (Megatron-Core depends on torch,
 # which a lean venv links instead of installing).
-FULL_DEPS := "megatron-core==0.19.2"
+FULL_DEPS := "megatron-core==0.19.2; python_version >= '3.12'"
 # Set by `make test-pythons`: the venv gets the full venv's torch without another copy of its
 # CUDA libraries or triton (build_support/lean_venv.py; ~1.5 GB instead of ~5).
 LEAN_FROM ?=

@@ -173,7 +173,7 @@ class BuildGopy(build_ext):
 
 setup(
     package_dir={"": "python"},
-    packages=["gograph", "gograph._core_cpu", "gograph._core_cuda"],
+    packages=["gograph", "gograph._core_cpu", "gograph._core_cuda", "gograph.integrations"],
     package_data={"gograph": ["py.typed"], "gograph._core_cpu": ["*.py"], "gograph._core_cuda": ["*.py"]},
     ext_modules=[
         GopyExtension(f"gograph._core_cpu._{GOPY_NAME}", "cpu"),

@@ -17,6 +17,7 @@ Public names:
 * :func:`memory_report` -- what graphed callables hold in memory, pass by pass (:mod:`gograph.memory`)
 * :class:`BufferReuse`, :func:`megatron_order` -- the buffer plan of a call; Megatron-LM's pipeline ``_order``
 * :mod:`gograph.engines` -- :class:`~gograph.engines.CudaEngine`, :class:`~gograph.engines.EagerEngine`
+* :mod:`gograph.integrations.megatron` -- Megatron-Core's own graph path captured by gograph (imported on demand)
 """
 
 from __future__ import annotations

@@ -113,7 +113,9 @@ class PassSpec:
 
     ``flat_args`` are the positional leaves (``n_pos`` of them) then the leaves of the captured
     kwargs in key order; with the module's ``params`` they are the static input surface.
-    ``forward_fn`` is the callable's forward (unbound from its module when ``forward_is_method``)."""
+    ``forward_fn`` is the callable's forward (unbound from its module when ``forward_is_method``):
+    what a function's pass runs; a module's pass runs the module through its class's ``__call__``
+    (:class:`gograph._bodies.ForwardBody`), and its graphed callable falls back to this forward."""
 
     index: int
     callable_index: int
@@ -401,8 +403,9 @@ def _check_leaves(i: int, c: Any, flat: tuple[Any, ...], n_pos: int, ordered: bo
 
 
 def _forward_of(c: Any) -> tuple[Callable[..., Any], bool]:
-    """The function a pass runs, and whether it is a method of the module (then unbound, so the
-    bodies that hold it never keep the module alive)."""
+    """A function itself, or a module's own forward and whether it is a method of the module (then
+    unbound, so that what holds it never keeps the module alive): what the graphed callable runs
+    in the other train/eval mode or when its pass's ``__call__`` reaches it."""
     if not isinstance(c, torch.nn.Module):
         return c, False
     from .graphed import GraphedCallable

@@ -1,11 +1,20 @@
 """Capture bodies: what an engine runs when it captures (or, on the eager engine, replays) one
 kind of one pass. Explicit objects, not closures: engines and finalizers can reach them, so they
-never hold their pass's owner (a module is held through a weakref and its forward unbound).
+never hold their pass's owner (a module is held through a weakref).
+
+A module's pass runs ``module(*args, **kwargs)``, through its class's ``__call__``, as
+``torch.cuda.make_graphed_callables`` and TransformerEngine's warm up and capture it: a class
+may route its call (Megatron-LM's layers return their graph outputs from ``__call__`` while
+graphs are being made), and torch's rule that a graphed module has no hooks of its own makes
+``nn.Module.__call__`` exactly its forward. While a module's body runs, :func:`running_module`
+is that module: its own graphed callable, reached again through ``__call__`` (an eager replay
+re-running a module whose ``forward`` it replaced), then runs the original forward.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +25,7 @@ from torch import Tensor
 
 from . import _torch
 
-__all__ = ["BackwardBody", "ForwardBody", "autograd_grad", "flat_tuple_spec"]
+__all__ = ["RUNNING", "BackwardBody", "ForwardBody", "autograd_grad", "flat_tuple_spec", "running_module"]
 
 LEAF_SPEC = pytree.tree_flatten(0)[1]  # the treespec of a lone leaf (a callable returning one Tensor)
 
@@ -63,26 +72,55 @@ def autograd_grad(
     )
 
 
+class _Running(threading.local):
+    """The module whose forward body runs on this thread (None outside one)."""
+
+    module: torch.nn.Module | None = None
+
+
+RUNNING = _Running()
+"""``RUNNING.module``: the module whose forward body (warmup, capture, eager replay) runs on this
+thread (read on the replay hot path without a call)."""
+
+
+def running_module() -> torch.nn.Module | None:
+    """The module whose forward body (warmup, capture, eager replay) runs on this thread."""
+    return RUNNING.module
+
+
 class ForwardBody:
     """Runs one callable's forward on its sample args and returns the flat tuple of output
-    tensors; the output treespec of the latest call is kept in :attr:`out_spec`."""
+    tensors; the output treespec of the latest call is kept in :attr:`out_spec`. A module is
+    called through its class's ``__call__`` (held by weakref), a function directly."""
 
     __slots__ = ("_fn", "_module_ref", "label", "out_spec")
 
-    def __init__(self, fn: Callable[..., Any], module: torch.nn.Module | None, label: str) -> None:
+    def __init__(self, fn: Callable[..., Any] | None, module: torch.nn.Module | None, label: str) -> None:
+        """``module``: the module to call; else ``fn``, the function to call."""
+        if module is None and fn is None:
+            raise TypeError("gograph: a forward body needs a module or a function")
         self._fn = fn
         self._module_ref = weakref.ref(module) if module is not None else None
         self.out_spec: pytree.TreeSpec | None = None
         self.label = label
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The module this body calls (None for a function, or once the module is gone)."""
+        return self._module_ref() if self._module_ref is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
         if self._module_ref is not None:
             module = self._module_ref()
             if module is None:
                 raise RuntimeError(f"gograph: the graphed module {self.label} no longer exists")
-            out = self._fn(module, *args, **kwargs)
+            outer, RUNNING.module = RUNNING.module, module
+            try:
+                out = module(*args, **kwargs)
+            finally:
+                RUNNING.module = outer
         else:
-            out = self._fn(*args, **kwargs)
+            out = self._fn(*args, **kwargs)  # type: ignore[misc]
         if isinstance(out, Tensor):  # the common case, without pytree's flattening
             self.out_spec = LEAF_SPEC
             return (out,)

@@ -29,7 +29,7 @@ class PassState:
 
     def __init__(self, spec: PassSpec, pass_id: int) -> None:
         self.spec, self.index, self.pass_id = spec, spec.index, pass_id
-        self.body = ForwardBody(spec.forward_fn, spec.module if spec.forward_is_method else None, spec.label)
+        self.body = ForwardBody(spec.forward_fn, spec.module, spec.label)  # a module: through its __call__
         self.flat_args: tuple[Tensor, ...] = spec.flat_args
         self.sample_args: tuple[Any, ...] = spec.sample_args
         self.sample_kwargs: dict[str, Any] = dict(spec.sample_kwargs)

@@ -151,6 +151,10 @@ class CallWithKwargs:
     def label(self) -> str:
         return str(self.body.label)
 
+    @property
+    def module(self) -> Any:
+        return getattr(self.body, "module", None)
+
     def __call__(self, *args: Any) -> Any:
         n = self.n_args
         return self.body(*args[:n], **dict(zip(self.keys, args[n:])))
@@ -247,7 +251,7 @@ def discover_wgrad_modules(
             if m is not func:
                 handles.append(m.register_forward_hook(hook))
         yield
-        if candidates[-1] is func:  # the graphed module runs through its unbound forward: no hook fires
+        if candidates[-1] is func:  # the graphed module itself gets no hook (it must have none)
             found.setdefault(id(func), func)
     finally:
         for h in reversed(handles):

@@ -32,6 +32,7 @@ __all__ = [
     "has_torch_function",
     "is_current_stream_capturing",
     "memory_stats",
+    "module_hooks_suspended",
     "nonowning_view",
     "poison_storage",
     "release_pool",
@@ -168,6 +169,36 @@ def tensor_hooks_suspended(tensors: Iterable[Tensor | None]) -> Iterator[None]:
     saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
     for t in tensors:
         hooks = getattr(t, "_backward_hooks", None) if t is not None else None
+        if hooks:
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            added = list(hooks.items())  # registered while suspended: keep them, after the old ones
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
+
+
+# -- module hooks (Module.register_forward_hook and the like) --
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def module_hooks_suspended(module: torch.nn.Module) -> Iterator[None]:
+    """The module's own forward and backward hooks do not fire inside (global hooks and its
+    submodules' do).
+
+    The eager engine replays a module's pass by calling it again from inside the outer call,
+    which already ran the hooks registered since graphing (torch's rule: none before); a CUDA
+    replay runs none. ``nn.Module._call_impl`` reads these four dicts at call time (the
+    ``*_with_kwargs`` / ``*_always_called`` companions are looked up by their ids), so emptying
+    them suspends the hooks (checked on torch 2.9-2.11); the items go back in order."""
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+    for name in _MODULE_HOOK_DICTS:
+        hooks = module.__dict__.get(name)
         if hooks:
             saved.append((hooks, list(hooks.items())))
             hooks.clear()

@@ -25,13 +25,14 @@ import gc
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import _core, _native, _observe, _torch
+from . import _capture_state, _core, _native, _observe, _torch
 from ._rng import RngCompanions, _OnStream
 
 __all__ = [
@@ -354,6 +355,11 @@ class CudaEngine(Engine):
                 _torch.synchronize()
                 _torch.empty_cache()  # as torch.cuda.graph: the pool can grow into cached blocks
                 return self._capture_with_companion(pass_id, kind, body, body_args, pool, uses_rng is not False, mode)
+        except Exception as e:
+            explained = explain_capture_error(e)
+            if explained is None:
+                raise
+            raise explained from e
         finally:
             if gc_enabled:
                 gc.enable()
@@ -528,6 +534,39 @@ class CudaEngine(Engine):
         return reserved, active, segments
 
 
+#: How an implicit synchronization with the legacy default stream reads: torch's message for
+#: cudaErrorStreamCaptureImplicit, and the driver's name of the code the core reports.
+_IMPLICIT_SYNC = (
+    "legacy stream depend on a capturing",
+    "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+    "cudaErrorStreamCaptureImplicit",
+)
+
+
+def explain_capture_error(e: Exception) -> Exception | None:
+    """``e`` again, of its type, with what to do when a capture failed because work on the legacy
+    default stream had to wait for it; None for any other error (or a type not built from a
+    message)."""
+    text = str(e)
+    if not any(sig in text for sig in _IMPLICIT_SYNC):
+        return None
+    hint = (
+        " [the capture made the legacy default stream wait for it: autograd synchronizes a backward "
+        "with the stream each of its nodes was created on, and nodes created while the default stream "
+        "was current -- a DistributedDataParallel wrapper's gradient accumulators above all -- tie it "
+        "into every backward capture. Build the model wrapper while a side stream is current: "
+        "Megatron-LM's initialize makes one current (torch.cuda.set_stream(torch.cuda.Stream())) for "
+        "cuda_graph_impl='transformer_engine' and get_model builds DDP under its own stream; for torch's "
+        "DDP, `with torch.cuda.stream(side): model = DDP(model)` and graph with "
+        "engine=gograph.CudaEngine(device, stream=side)]"
+    )
+    try:
+        new = type(e)(text + hint)
+    except Exception:
+        return None
+    return new if type(new) is type(e) else None
+
+
 def _abort(pass_id: int, kind: int, stream: int) -> None:
     try:
         _core.abort_pass_capture(pass_id, kind, stream)
@@ -578,6 +617,8 @@ class _EagerEntry:
     grad_enabled: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...] = ()  # (device type, enabled, dtype) at capture
     autocast_cache: bool = True
+    module: weakref.ReferenceType[torch.nn.Module] | None = None  # the module its pass calls
+    state: tuple[_capture_state.StateFactory, ...] = ()  # what integrations recorded at capture
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -588,11 +629,14 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 
 def _as_captured(entry: _EagerEntry) -> contextlib.ExitStack:
-    """The autocast state of the capture: a CUDA graph replays the kernels it recorded, whatever
-    autocast says at replay time, so the eager engine's re-run must see the capture's state."""
+    """The state of the capture: a CUDA graph replays the kernels it recorded, whatever autocast
+    (or a framework's state) says at replay time, so the eager engine's re-run must see the
+    capture's -- and no hook of the module's own (:mod:`gograph._capture_state`)."""
     stack = contextlib.ExitStack()
     for device, enabled, dtype in entry.autocast:
         stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=entry.autocast_cache))
+    if entry.module is not None:
+        stack.enter_context(_capture_state.entered(entry.module, entry.state))
     return stack
 
 
@@ -657,8 +701,17 @@ class EagerEngine(Engine):
         # capture-time arguments are not kept (they hold the capture's autograd graph).
         args = body_args if kind == FORWARD else ()
         record = self._passes.setdefault(pass_id, _EagerPassRecord())
+        forward = body if kind == FORWARD else getattr(record.entries.get(FORWARD), "body", None)
+        module = getattr(forward, "module", None)  # the module a forward body calls (None: a function)
         record.entries[kind] = _EagerEntry(
-            body, args, static, torch.is_grad_enabled(), _autocast_state(), torch.is_autocast_cache_enabled()
+            body,
+            args,
+            static,
+            torch.is_grad_enabled(),
+            _autocast_state(),
+            torch.is_autocast_cache_enabled(),
+            weakref.ref(module) if module is not None else None,
+            _capture_state.record(module),
         )
         return result, seq
 

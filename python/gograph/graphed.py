@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _core, _plan, _torch
-from ._bodies import flat_tuple_spec
+from ._bodies import RUNNING, flat_tuple_spec
 from ._grad_pack import owned_copies
 from ._handouts import WATCH
 from ._shared_inputs import SharedInput
@@ -276,9 +277,10 @@ class GraphedCallable:
     is held through a weakref only.
 
     TransformerEngine's extensions: captured ``sample_kwargs`` follow the positional args in the
-    surface (each must be passed by name); ``cuda_graph_stream=`` / ``cuda_graph_event=`` replay on
-    that stream (CUDA engine); :meth:`backward_dw` replays the delayed weight-gradient graph;
-    ``buffer_reuse`` says how the core planned the static buffers.
+    surface (each must be passed by name; other kwargs are ignored, as TransformerEngine ignores
+    them, with a warning once per callable for one that holds a tensor); ``cuda_graph_stream=`` /
+    ``cuda_graph_event=`` replay on that stream (CUDA engine); :meth:`backward_dw` replays the
+    delayed weight-gradient graph; ``buffer_reuse`` says how the core planned the static buffers.
     """
 
     def __init__(self, spec: PassSpec, result: PassResult, pass_id: int, shared: Shared) -> None:
@@ -344,6 +346,7 @@ class GraphedCallable:
         self._kwargs_spec = spec.kwargs_spec
         self._n_pos = spec.n_pos
         self._cast_noted = False
+        self._extra_kwargs_noted = False
 
     def _init_grads(self, result: PassResult, shared: Shared) -> None:
         """Per parameter grad returned as an owned tensor: (surface index, parameter, policy,
@@ -402,8 +405,8 @@ class GraphedCallable:
     def __call__(self, *user_args: Any, **user_kwargs: Any) -> Any:
         if self._module_ref is not None:
             module = self._module_ref()
-            if module is not None and module.training != self._training:
-                return self._call_original(module, user_args, user_kwargs)  # graphed in the other mode
+            if module is not None and (module.training != self._training or RUNNING.module is module):
+                return self._call_original(module, user_args, user_kwargs)  # other mode, or its own body
         if self._released:
             self._raise_reset()
         opts, flat = self._flatten_call(user_args, user_kwargs)
@@ -424,6 +427,11 @@ class GraphedCallable:
         return pytree.tree_unflatten(out, self.output_spec)
 
     def _call_original(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's own forward: graphed in the other train/eval mode, or called from the body
+        of one of its passes (a build or an eager replay calls the module through ``__call__``,
+        which reaches the forward this callable replaced; a graph never calls back into Python)."""
+        if module.training == self._training and module.__dict__.get("forward") is not self:
+            self._raise_called_back(module)
         fn = self.original_forward
         if fn is None:  # pragma: no cover - set for every module
             raise RuntimeError("gograph: original forward unavailable")
@@ -432,8 +440,9 @@ class GraphedCallable:
     def _flatten_call(self, user_args: tuple[Any, ...], user_kwargs: dict[str, Any]) -> tuple[Any, Sequence[Any]]:
         opts: tuple[Any, Any] | None = None
         kw_leaves: Sequence[Any] = ()
+        extra: dict[str, Any] = {}
         if user_kwargs or self._kwargs_keys:
-            opts, kw_leaves = self._take_kwargs(user_kwargs)
+            opts, kw_leaves, extra = self._take_kwargs(user_kwargs)
         if self._flat_args:
             flat: Sequence[Any] = user_args
         else:
@@ -445,10 +454,17 @@ class GraphedCallable:
                     "Pass the same nesting (tuples, lists, dict keys in the same order)"
                 )
         if len(flat) != self._n_pos:
+            hint = (
+                f" (keyword argument(s) {sorted(extra)} are not graphed inputs: pass them positionally)"
+                if extra
+                else ""
+            )
             raise TypeError(
                 f"gograph: graphed callable {self.index} ({self.label}) was captured with {self._n_pos} tensor "
-                f"argument(s) and called with {len(flat)}; pass args in the structure of its sample_args"
+                f"argument(s) and called with {len(flat)}; pass args in the structure of its sample_args{hint}"
             )
+        if extra and not self._extra_kwargs_noted:
+            self._note_extra_kwargs(extra)
         if kw_leaves:
             flat = (*flat, *kw_leaves)
         return opts, flat
@@ -463,9 +479,12 @@ class GraphedCallable:
                     "or pass a detached tensor"
                 )
 
-    def _take_kwargs(self, user_kwargs: dict[str, Any]) -> tuple[tuple[Any, Any] | None, Sequence[Any]]:
+    def _take_kwargs(self, user_kwargs: dict[str, Any]) -> tuple[tuple[Any, Any] | None, Sequence[Any], dict[str, Any]]:
         """Splits call kwargs into the replay options (``cuda_graph_stream``,
-        ``cuda_graph_event``) and the flat leaves of the captured kwargs, in key order."""
+        ``cuda_graph_event``), the flat leaves of the captured kwargs, in key order, and the
+        rest. The rest is ignored, as TransformerEngine's replay ignores it (Megatron-LM passes
+        every layer kwarg, mostly None, and ``is_first_microbatch``); one holding a tensor, which
+        cannot reach the graph, is warned about once per callable (by the caller)."""
         kwargs = dict(user_kwargs)
         opts = None
         if "cuda_graph_stream" in kwargs or "cuda_graph_event" in kwargs:
@@ -479,20 +498,8 @@ class GraphedCallable:
                     f'with kwarg {key} ,but it was not provided in graph replay")'
                 )
             values.append(kwargs.pop(key))
-        if kwargs:
-            what = (
-                (
-                    f" that were not in its sample_kwargs {list(self._kwargs_keys)}; a graph replays only the inputs "
-                    "it was captured with"
-                )
-                if self._kwargs_keys
-                else ("; it takes its arguments positionally, in the structure of its sample_args")
-            )
-            raise TypeError(
-                f"gograph: graphed callable {self.index} ({self.label}) got keyword arguments {sorted(kwargs)}{what}"
-            )
         if not self._kwargs_keys:
-            return opts, ()
+            return opts, (), kwargs
         leaves, spec = pytree.tree_flatten(values)
         if spec != self._kwargs_spec:
             raise TypeError(
@@ -500,7 +507,26 @@ class GraphedCallable:
                 f"({self.label}) must have the pytree structure of its sample_kwargs, "
                 f"{_structure(spec if self._kwargs_spec is None else self._kwargs_spec)}; got {_structure(spec)}"
             )
-        return opts, leaves
+        return opts, leaves, kwargs
+
+    def _note_extra_kwargs(self, extra: dict[str, Any]) -> None:
+        tensors = sorted(k for k, v in extra.items() if any(isinstance(x, Tensor) for x in pytree.tree_leaves(v)))
+        if not tensors:
+            return
+        self._extra_kwargs_noted = True
+        where = (
+            f"were not in its sample_kwargs {list(self._kwargs_keys)}"
+            if self._kwargs_keys
+            else "it was graphed without sample_kwargs"
+        )
+        warnings.warn(
+            f"gograph: graphed callable {self.index} ({self.label}) ignores keyword argument(s) {tensors}: they "
+            f"hold tensors but {where}, so they cannot reach the graph, which replays the inputs it was captured "
+            "with (TransformerEngine's replay ignores them too). Graph it with them in sample_kwargs if its "
+            "forward needs them (said once per graphed callable)",
+            UserWarning,
+            stacklevel=4,  # the caller of the graphed callable
+        )
 
     # -- replays ------------------------------------------------------------------------------
     def _launch(self, kind: int, opts: tuple[Any, Any] | None) -> None:
@@ -704,6 +730,17 @@ class GraphedCallable:
             "tensor: copying into the buffer would change the previous callable's output, which you hold and its "
             "backward may read. Call the layers in the order they were graphed, each on the previous one's "
             "output, or graph without chain_buffers"
+        )
+
+    def _raise_called_back(self, module: torch.nn.Module) -> None:
+        raise RuntimeError(
+            f"gograph: graphed callable {self.index} ({self.label}) was called from inside its own module's "
+            f"__call__, while gograph ran {type(module).__name__} for a build or an eager replay: the class's "
+            "__call__ routes to the graphed callables it was given (as Megatron-Core's layers do once "
+            "`cuda_graphs` is set), so the call it was graphed through cannot run again. The eager engine "
+            "re-runs a module's __call__ at each replay, in the state it was captured in (autocast, and what "
+            "integrations record); for Megatron-Core call gograph.integrations.megatron.use_gograph(), which "
+            "records Megatron's capture state"
         )
 
     def _raise_reset(self) -> None:

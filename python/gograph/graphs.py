@@ -94,7 +94,8 @@ def make_graphed_callables(
     callable's forward runs its source callable's forward work as one graph replay inside a
     single autograd node, whose backward runs the callable's backward work as one graph replay.
     The graphs are captured and launched by gograph's Go core, which also plans every buffer's
-    lifetime.
+    lifetime. Warmup and capture call a module as torch and TransformerEngine do, through its
+    class's ``__call__`` (without hooks: torch's rule), and a function itself.
 
     Arguments:
         callables: a module or function, or a tuple of them. With a tuple, all captures share one

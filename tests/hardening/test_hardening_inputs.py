@@ -319,9 +319,9 @@ def test_non_tensor_arg_at_replay(bad):
         graphed_ab(torch.randn(2, 3), bad)
 
 
-def test_keyword_arguments_are_refused():
+def test_keyword_argument_for_a_positional_one_is_refused():
     graphed_ab = _graphed_ab()
-    with pytest.raises(TypeError, match=r"keyword arguments \['b'\]; it takes its arguments positionally"):
+    with pytest.raises(TypeError, match=r"called with 1; .* \['b'\] are not graphed inputs: pass them positionally"):
         graphed_ab(torch.randn(2, 3), b=torch.randn(2, 3))
 
 
@@ -628,13 +628,32 @@ def test_backward_twice_on_cuda_is_refused(cuda_device):
 # ---------------------------------------------------------------------------------------------
 # Captured kwargs (TransformerEngine's sample_kwargs)
 # ---------------------------------------------------------------------------------------------
+def test_extra_kwargs_are_ignored_as_transformer_engine_ignores_them(recwarn):
+    """Megatron-LM's replay passes every layer kwarg (mostly None) and is_first_microbatch."""
+    g = mgc(lambda a, scale: a * scale, (torch.randn(3),), sample_kwargs={"scale": torch.randn(3)})
+    two = torch.full((3,), 2.0)
+    out = g(torch.ones(3), scale=two, context=None, attention_bias=None, is_first_microbatch=True, n=3, rope=(None,))
+    assert torch.equal(out, two)
+    assert not [w for w in recwarn if "gograph" in str(w.message)], "non-tensor extra kwargs must pass silently"
+    with pytest.warns(UserWarning, match=r"callable 0 \(.*\) ignores keyword argument\(s\) \['bias', 'pair'\]"):
+        g(torch.ones(3), scale=two, bias=torch.ones(3), pair=(None, torch.ones(3)), context=None)
+    recwarn.clear()
+    g(torch.ones(3), scale=two, bias=torch.ones(3))  # said once per graphed callable
+    assert not [w for w in recwarn if "gograph" in str(w.message)]
+    with pytest.raises(TypeError, match="initialized with kwarg scale, but it was not provided"):
+        g(torch.ones(3), bias=torch.ones(3))  # a missing captured kwarg is still an error
+    g.reset()
+
+
 def test_missing_extra_or_mismatched_captured_kwargs():
     g = mgc(lambda a, scale: a * scale, (torch.randn(3),), sample_kwargs={"scale": torch.randn(3)})
     assert torch.equal(g(torch.ones(3), scale=torch.full((3,), 2.0)), torch.full((3,), 2.0))
     with pytest.raises(TypeError, match="initialized with kwarg scale, but it was not provided"):
         g(torch.ones(3))
-    with pytest.raises(TypeError, match=r"\['other'\] that were not in its sample_kwargs \['scale'\]"):
-        g(torch.ones(3), scale=torch.ones(3), other=torch.ones(3))
+    with pytest.warns(
+        UserWarning, match=r"\['other'\]: they hold tensors but were not in its sample_kwargs \['scale'\]"
+    ):
+        assert torch.equal(g(torch.ones(3), scale=torch.ones(3), other=torch.ones(3)), torch.ones(3))
     with pytest.raises(gograph.StaticInputMismatchError, match=r"shape \(4,\)"):
         g(torch.ones(3), scale=torch.ones(4))
     with pytest.raises(TypeError, match="not a Tensor"):

@@ -254,8 +254,9 @@ def test_sample_kwargs(device: str) -> None:
         _assert_same(p.grad, q.grad, "param grad")
     with pytest.raises(TypeError, match="was initialized with kwarg bias, but it was not provided in graph replay"):
         graphed(x, scale=scale)
-    with pytest.raises(TypeError, match=r"got keyword arguments \['other'\] that were not in its sample_kwargs"):
-        graphed(x, scale=scale, bias=bias, other=bias)
+    with pytest.warns(UserWarning, match=r"ignores keyword argument\(s\) \['other'\]: they hold tensors but were not"):
+        out_other = graphed(x, scale=scale, bias=bias, other=bias, is_first_microbatch=True)  # ignored, as in TE
+    assert torch.equal(out_other, graphed(x, scale=scale, bias=bias))
     # replay kwargs of TransformerEngine: the current stream / no event
     out = graphed(x, scale=scale, bias=bias, cuda_graph_stream=None, cuda_graph_event=None)
     assert out.shape == (ROWS, FEATURES)
