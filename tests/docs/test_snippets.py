@@ -167,3 +167,15 @@ def test_api_md_names_every_export() -> None:
     api = (ROOT / "docs" / "API.md").read_text()
     missing = [name for name in gograph.__all__ if f"`{name}" not in api]
     assert not missing, f"docs/API.md does not document {missing}"
+
+
+def test_make_graphed_callables_docstring_example_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Example section of ``help(gograph.make_graphed_callables)``, run as a doctest."""
+    import doctest
+
+    tests = doctest.DocTestFinder().find(gograph.make_graphed_callables, "make_graphed_callables", globs={})
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for t in tests:
+        runner.run(t)
+    result = runner.summarize(verbose=False)
+    assert result.attempted >= 5 and result.failed == 0
