@@ -6,15 +6,15 @@
   (see build_support/cudastub.py). GOGRAPH_CUDA=1 makes a missing header an error,
   GOGRAPH_CUDA=0 skips the flavor.
 
-Needs Go and a C compiler on PATH; gopy and goimports are installed from the versions pinned
-in go.mod (tools/tools.go) into .tools/ when missing.
+Needs Go and a C compiler on PATH (build_support/prereqs.py); gopy and goimports are installed
+from the versions pinned in go.mod (tools/tools.go) into .tools/ when missing. A tree with
+``vendor/`` (an sdist) builds without network: every Go module, gopy included, comes from it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +27,8 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from build_support.cudastub import build_link_stub, find_cuda_header  # noqa: E402
+from build_support.flavors import remove_flavor, write_go_shim  # noqa: E402
+from build_support.prereqs import PrereqError, check_build  # noqa: E402
 
 log = logging.getLogger("gograph.build")
 GO_PACKAGE = "./gograph"
@@ -46,34 +48,27 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run(cmd, cwd=HERE, env=env, check=True)
 
 
-def _go_mod_version() -> tuple[int, ...]:
-    for line in (HERE / "go.mod").read_text().splitlines():
-        if line.startswith("go "):
-            return tuple(int(x) for x in line.split()[1].split(".")[:2])
-    return (1, 26)
-
-
 def _require_go() -> str:
-    """Go and a C compiler, checked before anything is built: an old Go otherwise fails deep in
-    the build with ``go.mod: invalid go version``."""
-    want = _go_mod_version()
-    go = shutil.which("go")
-    if go is None:
-        raise RuntimeError(
-            f"building gograph needs the Go toolchain (go >= {'.'.join(map(str, want))}) on PATH: "
-            "install it from go.dev/dl (distribution packages are often older), then retry"
-        )
-    out = subprocess.run([go, "env", "GOVERSION"], check=False, capture_output=True, text=True).stdout.strip()
-    have = tuple(int(x) for x in re.findall(r"\d+", out)[:2]) if out.startswith("go") else ()
-    if have and have < want:
-        raise RuntimeError(
-            f"building gograph needs go >= {'.'.join(map(str, want))}; {go} is {out}: "
-            "install a newer Go from go.dev/dl and put it first on PATH"
-        )
-    cc = os.environ.get("CC", "").split()
-    if not (cc and shutil.which(cc[0])) and not (shutil.which("cc") or shutil.which("gcc")):
-        raise RuntimeError("building gograph needs a C compiler for cgo: install gcc (or set CC), then retry")
-    return go
+    """Go and a C compiler, checked before anything is built (build_support/prereqs.py): an old
+    Go otherwise fails deep in the build with ``go.mod: invalid go version``. One line, no
+    traceback, when one is missing."""
+    try:
+        return check_build()
+    except PrereqError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _offline_env(env: dict[str, str]) -> dict[str, str]:
+    """A source tree with ``vendor/`` (every sdist: ``make sdist`` vendors the Go modules, gopy
+    and goimports included) builds without the Go module proxy: the go command reads ``vendor/``,
+    and a ``go`` shim first on PATH turns gopy's hard-coded ``go build -mod=mod`` into
+    ``-mod=vendor``. A checkout without ``vendor/`` builds from the module cache as usual."""
+    if not (HERE / "vendor" / "modules.txt").exists():
+        return env
+    shim = write_go_shim(HERE / "_gopy_build" / "gobin", shutil.which("go", path=env.get("PATH")) or "go")
+    env = dict(env, GOFLAGS=(env.get("GOFLAGS", "") + " -mod=vendor").strip(), GOTOOLCHAIN="local")
+    env["PATH"] = os.pathsep.join([str(shim.parent), env.get("PATH", "")])
+    return env
 
 
 def _ensure_tools(go: str) -> Path:
@@ -81,13 +76,14 @@ def _ensure_tools(go: str) -> Path:
     `go install gopy@v0.4.10`, so they are installed through the module's own requirements)."""
     tools = HERE / ".tools"
     if not ((tools / "gopy").exists() and (tools / "goimports").exists()):
-        env = dict(os.environ, GOBIN=str(tools))
+        env = _offline_env(dict(os.environ, GOBIN=str(tools)))
         _run([go, "install", "github.com/go-python/gopy", "golang.org/x/tools/cmd/goimports"], env)
     return tools
 
 
 class BuildGopy(build_ext):
     def run(self) -> None:
+        self._go = _require_go()  # before anything is built: one line when Go or cc is missing
         choice = os.environ.get("GOGRAPH_CUDA", "").strip()
         if choice not in ("", "0", "1"):
             raise RuntimeError(f"GOGRAPH_CUDA must be 0, 1 or unset, not {choice!r}")
@@ -104,16 +100,33 @@ class BuildGopy(build_ext):
                 print("gograph build: skipping the CUDA flavor; " + msg, flush=True)
             self._cuda_header = header
         if self._cuda_header is None:
-            self.extensions = [e for e in self.extensions if getattr(e, "flavor", None) != "cuda"]
+            skipped = [e for e in self.extensions if getattr(e, "flavor", None) == "cuda"]
+            self.extensions = [e for e in self.extensions if e not in skipped]
+            self._remove_skipped(skipped)
         super().run()
+
+    def _remove_skipped(self, skipped: list[Extension]) -> None:
+        """A flavor this build skips must not ship from an earlier build: its extension and
+        wrappers are removed from build/ (what ``pip install .`` packs) and, in place, from the
+        source tree."""
+        build_py = self.get_finalized_command("build_py")
+        for ext in skipped:
+            package = ext.name.rsplit(".", 1)[0]
+            dirs = [Path(self.build_lib, *package.split("."))]
+            if self.inplace:
+                dirs.append(Path(build_py.get_package_dir(package)))
+            for d in dirs:
+                for f in remove_flavor(d):
+                    print(f"gograph build: removed {f} (the {ext.flavor} flavor is not built)", flush=True)
 
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, GopyExtension):
             return super().build_extension(ext)
-        go = _require_go()
+        go = self._go
         tools = _ensure_tools(go)
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([str(tools), str(Path(go).parent), env.get("PATH", "")])
+        env = _offline_env(env)
         # gopy overwrites CGO_CFLAGS/CGO_LDFLAGS with Python's; extra paths go through
         # CGO_CPPFLAGS and LIBRARY_PATH, which it leaves alone.
         args = []

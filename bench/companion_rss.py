@@ -1,4 +1,4 @@
-"""Attributes host RSS growth to the pieces of an RNG companion capture (issue 5).
+"""Attributes host RSS growth to the pieces of an RNG companion capture.
 
 Each variant repeats one small piece of what a gograph capture with dropout does, N times after
 a warm-up, and prints RSS growth per repetition, the growth of gc-tracked objects, and the top

@@ -1,6 +1,6 @@
 """Benchmarks: gograph vs torch.cuda.make_graphed_callables on the same work, one process.
 
-Workloads (issue 3):
+Workloads (the torch-parity pair of docs/benchmarks-history.md, "Torch parity: W1 and W2"):
   W1  8 per-layer callables of Linear(4096,4096) -> GELU -> Linear(4096,4096), bf16, input 8192x4096
   W2  32 per-layer callables of Linear(256,256) + ReLU, fp32, input 64x256
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (the device tool), in a copy of this repo whose
-# python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
-# Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem] [capture]
-#                                [footprint] [recv] [floor] [default] [steptime] [plan] [shared] [megatron]
-#        (default: tests demo)
-# Logs go to $OUT (the device tool's return folder) when set.
+# Runs on a GPU machine (CPython 3.12, torch 2.11, pytest; no Go needed), in a copy of this repo
+# whose python/gograph/_core_cpu and _core_cuda were built by `make gpu-bundle` (on the GPU machine
+# itself, or on a build machine and copied over with the tree).
+# Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [summary] [bench] [profile] [pipeline] [companion]
+#                                [hostmem] [capture] [footprint] [recv] [floor] [default] [steptime] [plan] [shared] [megatron]
+#        (default: tests demo; summary: the measurements of docs/BENCHMARKS.md's summary)
+# Logs and JSON results go to $OUT when set (default /tmp/gograph-gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -50,9 +51,18 @@ for w in "${what[@]}"; do
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    summary) timeout 500 python3 bench/footprint.py --jobs 8 --workloads chain,blocks \
+                 --arms eager,torch,gograph,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1+loss_in_graph=1 \
+                 --json "$out/summary-memory.json" 2>&1 | tee "$out/summary-memory.log"; rc=$(( rc | PIPESTATUS[0] ))
+             timeout 400 python3 bench/footprint.py --jobs 4 --workloads pipeline \
+                 --arms eager,eager:recv=1,gograph,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1 \
+                 --json "$out/summary-memory-pipeline.json" 2>&1 | tee "$out/summary-memory-pipeline.log"; rc=$(( rc | PIPESTATUS[0] ))
+             for m in none zero; do timeout 150 python3 bench/steptime.py --workload stack --mode $m --rounds 15 \
+                 --arms torch,gograph,gograph:chain_buffers=true --json "$out/summary-steptime-stack-$m.json"; done 2>&1 \
+                 | tee "$out/summary-steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     shared) timeout 120 python3 bench/shared_samples.py --json "$out/shared_samples.json" 2>&1 | tee "$out/shared_samples.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     megatron) timeout 500 python3 bench/megatron.py --json "$out/megatron.json" 2>&1 | tee "$out/megatron.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, megatron)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, summary, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, megatron)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"

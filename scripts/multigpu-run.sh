@@ -2,7 +2,7 @@
 # Multi-GPU checks of gograph: tensor-parallel and data-parallel graphed layers with NCCL
 # collectives, under torchrun (tests/multigpu/run_multigpu.py says what each test checks).
 #
-#   bash scripts/multigpu-run.sh               # 2 GPUs, NCCL (the nvidia-h200-x2 machine)
+#   bash scripts/multigpu-run.sh               # 2 GPUs, NCCL (one machine with 2 or more GPUs)
 #   bash scripts/multigpu-run.sh --cpu-smoke   # 2 CPU processes, gloo, gograph's eager engine
 #   bash scripts/multigpu-run.sh --nproc 4 --tests tp_mlp,ddp
 #

@@ -96,7 +96,7 @@ func (l *Ledger) SetRecarveSpec(id int64, kind Kind, spec string) error {
 		return p.errReset()
 	}
 	if p.order == nil || p.Seq[kind] == 0 {
-		return fmt.Errorf("graphed callable %d (%q): no %s capture recorded to check", p.CallableIndex, p.Label, kind)
+		return fmt.Errorf("gograph: graphed callable %d (%q): no %s capture recorded to check", p.CallableIndex, p.Label, kind)
 	}
 	p.order.mu.Lock()
 	defer p.order.mu.Unlock()
@@ -200,7 +200,7 @@ func (l *Ledger) SetOrderCheck(id int64, on bool) error {
 	case p.Lifecycle == Reset:
 		return p.errReset()
 	case p.order == nil:
-		return fmt.Errorf("graphed callable %d (%q) has no recorded capture; the replay-order guard needs the capture order", p.CallableIndex, p.Label)
+		return fmt.Errorf("gograph: graphed callable %d (%q) has no recorded capture; the replay-order guard needs the capture order", p.CallableIndex, p.Label)
 	}
 	p.CheckOrder = true
 	return nil
@@ -395,7 +395,7 @@ func (po *poolOrder) violation(p *Pass, kind Kind, s int, f *flight) error {
 		why = fmt.Sprintf("it was captured after that pass's %s (capture #%d > #%d in the pool), when that memory was free again",
 			f.lastKind, s, f.hi)
 	}
-	return fmt.Errorf("replay order: refusing to replay the %s of %s: %s ran its %s and its %s has not run since, "+
+	return fmt.Errorf("gograph: replay order: refusing to replay the %s of %s: %s ran its %s and its %s has not run since, "+
 		"and this %s may overwrite memory that %s still reads: %s. Graphs that share a memory pool must be "+
 		"replayed in the order they were captured (pool %s); run the %s of %s first, or capture in the order you replay "+
 		"(a forward whose backward will never run belongs under torch.no_grad())",

@@ -33,13 +33,17 @@ from .graphs import GraphedModule, graph_pool_handle, live_graphs, live_passes, 
 from .memory import MemoryReport, memory_report
 from .planning import MemoryPlan, plan_memory
 
+#: The distribution that installs this package (``pip install torch-gograph``; the name
+#: "gograph" on PyPI is another project's).
+DISTRIBUTION = "torch-gograph"
+
 
 def _version() -> str:
     try:
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            return version("gograph")
+            return version(DISTRIBUTION)
         except PackageNotFoundError:
             pass
     except ImportError:  # pragma: no cover

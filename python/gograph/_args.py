@@ -162,6 +162,8 @@ def normalize(
     if unknown:
         raise TypeError(f"make_graphed_callables() got an unexpected keyword argument {unknown[0]!r}")
     _te.check_quantization_args({k: v for k, v in options.items() if k in _te.QUANTIZATION_ARGS})
+    pool, options = _pool_or_sample_kwargs(pool, options)
+    _check_bool("allow_unused_input", allow_unused_input)
     order = options.get("_order")
     just_one = not isinstance(callables, tuple)
     callables_t = (callables,) if just_one else callables
@@ -199,6 +201,11 @@ def normalize(
 
 
 def _sample_args(sample_args: Any, just_one: bool, ordered: bool, n: int) -> tuple[tuple[Any, ...], ...]:
+    if sample_args is None:
+        raise TypeError(
+            "gograph: sample_args is None; pass the sample args the callable is graphed with: a tuple of "
+            "tensors for one callable (e.g. (x,)), or one such tuple per callable"
+        )
     args_t = (sample_args,) if just_one else sample_args
     if ordered and isinstance(args_t, list):
         args_t = tuple(args_t)  # TransformerEngine takes a list with _reuse_graph_input_output_buffers
@@ -207,24 +214,52 @@ def _sample_args(sample_args: Any, just_one: bool, ordered: bool, n: int) -> tup
             f"gograph: sample_args must hold one tuple of args per callable ({n} callables, "
             f"got {len(args_t) if isinstance(args_t, tuple) else type(args_t).__name__})"
         )
+    for i, a in enumerate(args_t):
+        if not isinstance(a, (tuple, list, Tensor)):
+            where = "sample_args" if just_one else f"sample_args[{i}]"
+            raise TypeError(
+                f"gograph: {where} is a {type(a).__name__}; the sample args of a "
+                f"{'forward pass' if ordered else 'callable'} are a tuple of tensors (a single tensor is taken "
+                "as a tuple of one)"
+            )
     return tuple(a if isinstance(a, tuple) else (a,) if isinstance(a, Tensor) else tuple(a) for a in args_t)
+
+
+#: The options that must be True or False (None, where allowed, means "not given").
+_BOOL_OPTIONS = {
+    "clone_param_grads_on_return": False,
+    "_clone_param_grads_on_return": True,
+    "debug_replay_order": True,
+    "progress": False,
+    "chain_buffers": False,
+    "retain_graph_in_backward": False,
+    "_reuse_graph_input_output_buffers": False,
+}
+
+
+def _check_bool(name: str, value: Any, none_ok: bool = False) -> None:
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    raise TypeError(
+        f"gograph: {name} must be a bool (True or False{' or None' if none_ok else ''}), got {value!r} "
+        f"(a {type(value).__name__}); pass a bool"
+    )
 
 
 def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: int) -> dict[str, Any]:
     """The boolean and mode options, checked."""
+    for name, none_ok in _BOOL_OPTIONS.items():
+        if name in options:
+            _check_bool(name, options[name], none_ok)
     clone = options.get("_clone_param_grads_on_return")
     clone = options.get("clone_param_grads_on_return", True) if clone is None else clone
     retain = options.get("retain_graph_in_backward", False)
-    if not isinstance(retain, bool):
-        raise TypeError(f"gograph: retain_graph_in_backward must be a bool, got {type(retain).__name__}")
     reuse = bool(options.get("_reuse_graph_input_output_buffers", False))
     if reuse and not ordered:
         raise ValueError("`_order` must be provided when `_reuse_graph_input_output_buffers` is True.")
     if reuse and not training:
         raise RuntimeError("`_reuse_graph_input_output_buffers` is only available in training mode.")
     chain = options.get("chain_buffers", False)
-    if not isinstance(chain, bool):
-        raise TypeError(f"gograph: chain_buffers must be a bool, got {type(chain).__name__}")
     if chain and warmup < 1:
         raise ValueError(
             "gograph: chain_buffers needs num_warmup_iters >= 1 (warmup learns the outputs each "
@@ -250,6 +285,37 @@ def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: in
         "debug_replay_order": None if debug is None else bool(debug),
         "progress": bool(options.get("progress", False)),
     }
+
+
+def _pool_or_sample_kwargs(pool: Any, options: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
+    """The 5th positional argument is ``pool`` in torch's ``make_graphed_callables`` and
+    ``sample_kwargs`` in TransformerEngine's: a dict, or a sequence of dicts/None, is
+    TransformerEngine's ``sample_kwargs``; a pool token or ``MemPool`` is torch's ``pool``."""
+    if not _looks_like_sample_kwargs(pool):
+        if isinstance(pool, (str, bytes, int, float, list, dict)) or (
+            isinstance(pool, tuple) and not (len(pool) == 2 and all(type(x) is int for x in pool))
+        ):
+            raise TypeError(
+                f"gograph: pool must be a token from gograph.graph_pool_handle() or "
+                f"torch.cuda.graph_pool_handle() (a pair of ints), or a torch.cuda.MemPool (torch's 5th "
+                f"positional argument, pool); TransformerEngine's 5th positional argument, sample_kwargs, is "
+                f"a dict or a sequence with one dict (or None) per callable. Got {pool!r} (a {type(pool).__name__})"
+            )
+        return pool, options
+    if options.get("sample_kwargs") is not None:
+        raise TypeError(
+            "gograph: sample_kwargs given twice: as the 5th positional argument (TransformerEngine's "
+            "sample_kwargs) and as a keyword; pass it once"
+        )
+    return None, {**options, "sample_kwargs": pool}
+
+
+def _looks_like_sample_kwargs(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return True
+    return (
+        isinstance(value, (tuple, list)) and len(value) > 0 and all(v is None or isinstance(v, Mapping) for v in value)
+    )
 
 
 def _pool_token(pool: Any) -> Hashable | None:

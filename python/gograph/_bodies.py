@@ -52,6 +52,21 @@ def autograd_grad(
     autograd's engine; that Python layer was a fifth of a small layer's warmup iteration, so the
     engine is called directly. Anything else goes through torch.autograd.grad. The engine raises
     the same errors (an unused input without ``allow_unused``, an output without grad)."""
+    try:
+        return _grad(outputs, inputs, grad_outputs, allow_unused, retain_graph)
+    except RuntimeError as e:
+        if allow_unused or _UNUSED not in str(e):
+            raise
+        raise RuntimeError(_unused_message(outputs, inputs)) from e
+
+
+def _grad(
+    outputs: tuple[Tensor, ...],
+    inputs: tuple[Tensor, ...],
+    grad_outputs: tuple[Tensor, ...],
+    allow_unused: bool,
+    retain_graph: bool,
+) -> tuple[Tensor | None, ...]:
     run = _torch.run_backward
     if (
         run is not None
@@ -86,6 +101,41 @@ thread (read on the replay hot path without a call)."""
 def running_module() -> torch.nn.Module | None:
     """The module whose forward body (warmup, capture, eager replay) runs on this thread."""
     return RUNNING.module
+
+
+#: What autograd's engine says of an input the outputs do not depend on.
+_UNUSED = "appears to not have been used in the graph"
+
+
+def _unused_message(outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]) -> str:
+    """gograph's message for autograd's unused-input error: which inputs, and the option that
+    allows them (``allow_unused_input``; autograd's own message names its ``allow_unused``)."""
+    try:
+        unused = _unreached(outputs, inputs)
+    except Exception:  # the graph walk is a courtesy: the advice stands without it
+        unused = []
+    what = ", ".join(
+        f"{'a parameter' if isinstance(t, torch.nn.Parameter) else 'a sample arg'} of shape {tuple(t.shape)}"
+        for t in (inputs[i] for i in unused)
+    )
+    return (
+        f"{what or 'an input that requires grad'} does not reach the outputs (autograd: one of the "
+        f"differentiated Tensors {_UNUSED}). Pass allow_unused_input=True to make_graphed_callables if that "
+        "is intended (its grad is then None), or set requires_grad=False on that input"
+    )
+
+
+def _unreached(outputs: tuple[Tensor, ...], inputs: tuple[Tensor, ...]) -> list[int]:
+    """Indices of ``inputs`` whose gradient node no output's autograd graph reaches."""
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return [i for i, t in enumerate(inputs) if torch.autograd.graph.get_gradient_edge(t).node not in seen]
 
 
 class ForwardBody:

@@ -155,7 +155,7 @@ class Build:
                 try:
                     self.req.post_warmup_hook()
                 except Exception as hook_error:
-                    log.warning("gograph: post_warmup_hook after a failed warmup: %s", str(hook_error))
+                    log.warning("post_warmup_hook after a failed warmup: %s", str(hook_error))
             raise
 
     def _whole_step(self, hooks: bool) -> bool:
@@ -200,7 +200,7 @@ class Build:
         if rec.complete:
             self.trace = rec.text(ops[: rec.until])
         else:
-            log.debug("gograph: a free deferred past a warmup op; planning without the pool seed")
+            log.debug("a free deferred past a warmup op; planning without the pool seed")
 
     def _carve_seed(self) -> None:
         """The seed segment the core chose goes into the build's own pool before the captures
@@ -250,15 +250,15 @@ class Build:
             try:
                 self.engine.drop(st.pass_id, self.pool)
             except Exception as cleanup_error:  # keep the original error
-                log.warning("gograph: releasing pass %d after a failed build: %s", st.pass_id, str(cleanup_error))
+                log.warning("releasing pass %d after a failed build: %s", st.pass_id, str(cleanup_error))
         try:
             self._end_warmup_in_pool()
         except Exception as pool_error:
-            log.warning("gograph: releasing the pool warmup allocated in after a failed build: %s", str(pool_error))
+            log.warning("releasing the pool warmup allocated in after a failed build: %s", str(pool_error))
         try:
             self.engine.set_rng_state(rng)
         except Exception as rng_error:
-            log.warning("gograph: restoring the generator state after a failed build: %s", str(rng_error))
+            log.warning("restoring the generator state after a failed build: %s", str(rng_error))
 
     def _with_context(self, e: Exception) -> Exception | None:
         """An exception of ``e``'s type whose message names the callable and the phase, or None
@@ -309,7 +309,7 @@ class Build:
             out.append(GraphedCallable(st.spec, _result(st, program, shared_leaves), st.pass_id, shared))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
-                    "gograph: graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
+                    "graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
                     st.index,
                     st.spec.label,
                     st.pass_id,

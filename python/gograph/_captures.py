@@ -46,7 +46,7 @@ def apply_separated(states: Sequence[PassState], program: _plan.CaptureProgram) 
         states[p].separated_inputs.update(repl)
     if per_pass:
         log.info(
-            "gograph: %d sample arg(s) of %d pass(es) share memory with another pass's that is still live "
+            "%d sample arg(s) of %d pass(es) share memory with another pass's that is still live "
             "(or with a parameter): each got a clone of its own (%.1f MiB), so no copy-in changes what another "
             "graph reads; memory_report lists them as separated_inputs",
             sum(len(r) for r in per_pass.values()),

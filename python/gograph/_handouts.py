@@ -81,7 +81,7 @@ class HandoutWatch:
             try:
                 text = _core.replay_clobbers(*g)
             except RuntimeError as e:  # its pass is gone from the core (dropped without a reset)
-                log.debug("gograph: hand-out watch drops pass %d: %s", g[0], e)
+                log.debug("hand-out watch drops pass %d: %s", g[0], e)
                 with self._lock:
                     self._graphs.pop(g, None)
                 continue

@@ -191,9 +191,9 @@ def _load() -> tuple[ModuleType, str, str | None]:
 
 core, flavor, _reason = _load()
 if flavor == "cuda":
-    log.info("gograph: loaded the cuda flavor of the Go core (%s)", getattr(core, "__file__", "?"))
+    log.info("loaded the cuda flavor of the Go core (%s)", getattr(core, "__file__", "?"))
 else:
-    log.info("gograph: loaded the cpu flavor of the Go core; CUDA unavailable: %s", _reason)
+    log.info("loaded the cpu flavor of the Go core; CUDA unavailable: %s", _reason)
 
 
 def cuda_available() -> bool:

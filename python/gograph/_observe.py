@@ -23,10 +23,11 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ._warn import warn_user
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engines import Engine
@@ -151,19 +152,7 @@ class BuildStats:
             _current.stack.remove(self)
             self.seconds = time.perf_counter() - self._t0
             if not failed:
-                log.info(
-                    "gograph: built %d graph(s) on the %s engine in %.1f ms (warmup %.1f ms, captures %.1f ms)%s",
-                    len(self.captures),
-                    self.engine,
-                    self.seconds * 1e3,
-                    self.warmup_seconds * 1e3,
-                    sum(c.seconds for c in self.captures) * 1e3,
-                    ""
-                    if self.warmup is None
-                    else f"; warmup peak {fmt_bytes(self.warmup.delta_bytes)} above "
-                    f"{fmt_bytes(self.warmup.baseline_bytes)}"
-                    f"{'' if self.warmup.exact else ' (upper bound)'}",
-                )
+                log.info("%s", self._built_line())
         bar, self._progress = self._progress, None
         if bar is not None:
             try:
@@ -171,6 +160,25 @@ class BuildStats:
             except Exception:  # pragma: no cover - a progress bar must never break a build
                 pass
         self._engine_ref = None
+
+    def _built_line(self) -> str:
+        """The build's INFO line: graphs on CUDA; on the eager engine passes (nothing is graphed:
+        its replays re-run the callables)."""
+        if self.engine == "eager":
+            passes = len({c.pass_id for c in self.captures})
+            what = f"{passes} pass(es) (no CUDA graph: eager replays re-run the callables)"
+        else:
+            what = f"{len(self.captures)} graph(s)"
+        peak = (
+            ""
+            if self.warmup is None
+            else f"; warmup peak {fmt_bytes(self.warmup.delta_bytes)} above {fmt_bytes(self.warmup.baseline_bytes)}"
+            f"{'' if self.warmup.exact else ' (upper bound)'}"
+        )
+        return (
+            f"built {what} on the {self.engine} engine in {self.seconds * 1e3:.1f} ms (warmup "
+            f"{self.warmup_seconds * 1e3:.1f} ms, captures {sum(c.seconds for c in self.captures) * 1e3:.1f} ms){peak}"
+        )
 
     # -- warmup ------------------------------------------------------------------------------
     def warmup_started(self) -> None:
@@ -244,11 +252,10 @@ def _open_progress(total: int) -> Any:
     except ImportError:
         if not _said_no_tqdm:
             _said_no_tqdm.append(True)
-            warnings.warn(
+            warn_user(
                 "gograph: progress=True shows a bar only with tqdm installed (pip install tqdm); "
                 "without it each capture is logged at INFO on the 'gograph' logger "
-                "(logging.basicConfig(level=logging.INFO) shows them)",
-                stacklevel=4,
+                "(logging.basicConfig(level=logging.INFO) shows them)"
             )
         return None
     return tqdm(total=total or None, desc="gograph", unit="graph", leave=False)
@@ -303,7 +310,7 @@ class CaptureProbe:
         )
         if log.isEnabledFor(logging.INFO):
             log.info(
-                "gograph: captured %s of %s (pass %d) in %.1f ms, memory %s (capture #%d in pool %s)",
+                "captured %s of %s (pass %d) in %.1f ms, memory %s (capture #%d in pool %s)",
                 kind,
                 self.label,
                 self.pass_id,

@@ -349,8 +349,15 @@ def megatron_order(
     ``_order`` (its ``get_schedule_table`` and ``convert_schedule_table_to_order``): microbatches
     in groups of ``group_size`` (default ``pipeline_size``) per virtual chunk, warmup forwards
     ``(pipeline_size - rank - 1) * 2 + (chunks - 1) * group_size``, then one forward / one
-    backward, then the remaining backwards (backwards run the chunks in reverse)."""
-    group = pipeline_size if group_size is None else group_size
+    backward, then the remaining backwards (backwards run the chunks in reverse).
+
+    The arguments follow Megatron-LM's rules for its interleaved schedule: ``0 <= rank <
+    pipeline_size``, ``chunks >= 1``, ``pipeline_size <= group_size <= microbatches``, and the last
+    group of microbatches (``microbatches % group_size``) either empty or at least
+    ``pipeline_size`` (with the default group size: ``microbatches`` a multiple of
+    ``pipeline_size``). Anything else raises :class:`ScheduleError` (a ValueError; a TypeError too
+    for a non-int), as Megatron-LM refuses that schedule."""
+    group = _check_megatron_args(pipeline_size, rank, chunks, microbatches, group_size)
     table: list[int] = []  # chunk id (0-based) of each forward, in schedule order
     for lo in range(0, microbatches, group):
         hi = microbatches if lo + group >= microbatches else lo + group
@@ -366,3 +373,42 @@ def megatron_order(
     if warm:
         order += bwd[total - warm :]
     return order
+
+
+def _check_megatron_args(pipeline_size: Any, rank: Any, chunks: Any, microbatches: Any, group_size: Any) -> int:
+    """Megatron-LM's checks of an interleaved schedule's sizes; returns the group size."""
+    given = {"pipeline_size": pipeline_size, "rank": rank, "chunks": chunks, "microbatches": microbatches}
+    if group_size is not None:
+        given["group_size"] = group_size
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ScheduleTypeError(
+                f"gograph: megatron_order: {name} must be an int, got {value!r} (a {type(value).__name__})"
+            )
+    for name in ("pipeline_size", "chunks", "microbatches"):
+        if given[name] < 1:
+            raise ScheduleError(f"gograph: megatron_order: {name} must be >= 1, got {given[name]}")
+    if not 0 <= rank < pipeline_size:
+        raise ScheduleError(
+            f"gograph: megatron_order: rank must be in [0, pipeline_size) = [0, {pipeline_size}), got {rank}"
+        )
+    group = int(pipeline_size if group_size is None else group_size)
+    if group_size is None and microbatches < pipeline_size:
+        raise ScheduleError(
+            f"gograph: megatron_order: Megatron-LM's interleaved schedule needs at least pipeline_size "
+            f"({pipeline_size}) microbatches, got {microbatches}"
+        )
+    if not pipeline_size <= group <= microbatches:
+        raise ScheduleError(
+            f"gograph: megatron_order: group_size must be in [pipeline_size, microbatches] = "
+            f"[{pipeline_size}, {microbatches}] (Megatron-LM's microbatch_group_size_per_vp_stage), got {group}"
+        )
+    last = microbatches % group
+    if 0 < last < pipeline_size:
+        raise ScheduleError(
+            f"gograph: megatron_order: Megatron-LM's interleaved schedule refuses {microbatches} microbatches in "
+            f"groups of {group}: the last group would hold {last}, fewer than pipeline_size {pipeline_size}; use a "
+            f"multiple of {group} microbatches"
+            + (" (of pipeline_size)" if group_size is None else " or a group_size that divides microbatches")
+        )
+    return group

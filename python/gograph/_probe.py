@@ -329,7 +329,7 @@ def _recording(engine: Any) -> Iterator[AllocationTrace | None]:
         return
     if _torch.allocator_history_enabled():
         log.warning(
-            "gograph.plan_memory: torch.cuda.memory history is already being recorded; the pool "
+            "plan_memory: torch.cuda.memory history is already being recorded; the pool "
             "predictions need their own recording and are left out (stop recording to get them)"
         )
         yield None

@@ -74,7 +74,7 @@ def recording(engine: Any, debug: bool) -> Iterator[CaptureRecorder | None]:
         yield None
         return
     if _torch.allocator_history_enabled():
-        log.info("gograph: allocator history is already recorded; debug replays are checked in capture order")
+        log.info("allocator history is already recorded; debug replays are checked in capture order")
         yield None
         return
     rec = CaptureRecorder(engine.device)

@@ -124,7 +124,7 @@ class RngCompanions:
         try:
             _torch.end_allocate_to_pool(self.device.index or 0, pool)
         except Exception as e:
-            log.debug("gograph: companion pool cleanup: %s", str(e))
+            log.debug("companion pool cleanup: %s", str(e))
         try:
             # A throwaway capture runs the generators' capture prologue and epilogue, which takes
             # them out of capture mode.
@@ -137,4 +137,4 @@ class RngCompanions:
                 scratch.capture_end()
                 scratch.reset()
         except Exception as e:
-            log.warning("gograph: could not take the CUDA generators out of capture mode: %s", str(e))
+            log.warning("could not take the CUDA generators out of capture mode: %s", str(e))

@@ -93,7 +93,7 @@ class SharedInput:
         if not self._compared:
             self._compared = True
             log.info(
-                "gograph: %s got a different tensor for a static input it shares with %s, whose backward has "
+                "%s got a different tensor for a static input it shares with %s, whose backward has "
                 "not run: gograph compares the contents (a device sync on every such call). Pass the same "
                 "tensor to every callable that shares it",
                 self.labels[pass_id],

@@ -7,7 +7,9 @@
   weight-gradient work captured into a separate graph, replayed by ``backward_dw()``;
 * the grad rules of its warmup (an unused sample arg is an error unless ``allow_unused_input``;
   parameters that get no grad leave the static input surface);
-* the quantization arguments, accepted when they ask for no quantization.
+* the quantization arguments, accepted when they ask for no quantization;
+* its capture flag: ``transformer_engine.pytorch.graph.is_graph_capturing()`` is True while
+  ``make_graphed_callables`` runs (:func:`graph_capturing`).
 
 The reference is TransformerEngine's graph.py and tests/pytorch/test_cuda_graphs.py.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -32,11 +35,39 @@ __all__ = [
     "canonicalize_sample_kwargs",
     "check_quantization_args",
     "discover_wgrad_modules",
+    "graph_capturing",
     "has_wgrad_protocol",
     "kept_params",
     "modules_needing_dw",
     "wgrad_candidates",
 ]
+
+# ---------------------------------------------------------------------------------------------
+# The capture flag TransformerEngine's modules read
+# ---------------------------------------------------------------------------------------------
+#: The module whose ``set_capture_start`` / ``set_capture_end`` TransformerEngine's
+#: ``make_graphed_callables`` calls, and whose ``is_graph_capturing()`` its modules read.
+TE_GRAPH_MODULE = "transformer_engine.pytorch.graph"
+
+
+@contextlib.contextmanager
+def graph_capturing() -> Iterator[None]:
+    """Sets TransformerEngine's capture flag for the duration of a build, as its own
+    ``make_graphed_callables`` does (``set_capture_start()`` first, ``set_capture_end()`` last),
+    and clears it when the build fails too. Only when TransformerEngine is already imported: a
+    TransformerEngine module in the callables has imported it, and nothing else reads the flag."""
+    graph = sys.modules.get(TE_GRAPH_MODULE)
+    start = getattr(graph, "set_capture_start", None)
+    end = getattr(graph, "set_capture_end", None)
+    if not (callable(start) and callable(end)):
+        yield
+        return
+    start()
+    try:
+        yield
+    finally:
+        end()
+
 
 # ---------------------------------------------------------------------------------------------
 # capture_time_hooks
@@ -323,7 +354,11 @@ def kept_params(
     for k, g in enumerate(grads):
         if k < n_user_requiring_grad:
             if g is None and not allow_unused_input:
-                raise RuntimeError("The input tensor requires grad, but the grad is None after backward pass.")
+                raise RuntimeError(
+                    "The input tensor requires grad, but the grad is None after backward pass. (gograph: the "
+                    f"sample arg number {k} of those that require grad does not reach the outputs; pass "
+                    "allow_unused_input=True to make_graphed_callables if that is intended)"
+                )
         elif g is not None:
             kept.append(surface[k])
     if len(kept) != len(params):

@@ -34,6 +34,7 @@ import torch
 
 from . import _capture_state, _core, _native, _observe, _torch
 from ._rng import RngCompanions, _OnStream
+from ._warn import warn_user
 
 __all__ = [
     "BACKWARD",
@@ -191,7 +192,7 @@ class Engine(abc.ABC):
         try:
             self.drop(pass_id, pool)
         except Exception as e:  # a finalizer must not raise
-            log.warning("gograph: releasing pass %d in its finalizer failed: %s", pass_id, str(e))
+            log.warning("releasing pass %d in its finalizer failed: %s", pass_id, str(e))
 
     def _must_defer(self) -> bool:
         return self._capture_depth > 0
@@ -379,7 +380,7 @@ class CudaEngine(Engine):
                 except Exception as e:
                     if ok:  # the graph is attached: the build's rollback resets the pass
                         raise
-                    log.warning("gograph: ending the RNG companion after a failed capture: %s", str(e))
+                    log.warning("ending the RNG companion after a failed capture: %s", str(e))
         if companion is not None:
             self.rng.keep(pass_id, kind, companion)
         return result, seq
@@ -443,7 +444,7 @@ class CudaEngine(Engine):
         try:
             torch.cuda.synchronize(self.device)
         except Exception as e:  # the references must still be released
-            log.warning("gograph: synchronize before releasing a pool: %s", str(e))
+            log.warning("synchronize before releasing a pool: %s", str(e))
         for _ in range(refs):
             _torch.release_pool(self.device_index, pool)
 
@@ -481,7 +482,7 @@ class CudaEngine(Engine):
                 block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 del block
             except torch.OutOfMemoryError:
-                log.info("gograph: no %.0f MiB for the graph pool's seed segment; capturing without", nbytes / 2**20)
+                log.info("no %.0f MiB for the graph pool's seed segment; capturing without", nbytes / 2**20)
             finally:
                 _torch.end_allocate_to_pool(self.device_index, pool)
         return True
@@ -571,7 +572,7 @@ def _abort(pass_id: int, kind: int, stream: int) -> None:
     try:
         _core.abort_pass_capture(pass_id, kind, stream)
     except Exception as e:  # keep the original error
-        log.warning("gograph: aborting a failed capture: %s", str(e))
+        log.warning("aborting a failed capture: %s", str(e))
 
 
 def _cuda_device(device: torch.device | int | str | None) -> torch.device:
@@ -821,6 +822,8 @@ def resolve_engine(engine: Engine | str | None, tensors: Sequence[torch.Tensor])
         return default_eager_engine()
     cuda_tensors = [t for t in tensors if t.is_cuda]
     if engine != "cuda" and not cuda_tensors:
+        if engine is None:
+            _warn_eager_beside_cuda()
         return default_eager_engine()
     if not _native.cuda_available():
         what = "engine='cuda' was requested" if engine == "cuda" else "sample_args are CUDA tensors"
@@ -834,3 +837,20 @@ def resolve_engine(engine: Engine | str | None, tensors: Sequence[torch.Tensor])
             f"gograph: all sample args and parameters must be on one CUDA device, got {sorted(map(str, devices))}"
         )
     return default_cuda_engine(next(iter(devices)) if devices else torch.device("cuda", torch.cuda.current_device()))
+
+
+_warned_eager: list[bool] = []
+
+
+def _warn_eager_beside_cuda() -> None:
+    """Once per process: CPU sample tensors chose the eager engine (nothing is graphed) on a
+    machine where CUDA is available -- most likely a model or sample left on the CPU."""
+    if _warned_eager or not torch.cuda.is_available():
+        return
+    _warned_eager.append(True)
+    warn_user(
+        "gograph: the sample args and parameters are CPU tensors, so make_graphed_callables runs the eager "
+        "engine (a CPU reference: nothing is graphed, a replay re-runs the callable) although CUDA is "
+        "available; move the module and the samples to the GPU (.cuda()) to capture CUDA graphs, or pass "
+        "engine='eager' to choose the eager engine explicitly"
+    )

@@ -189,7 +189,7 @@ class LentGrads:
                 elif _copy_out(e):
                     e.slot.learned = _KEPT
                     log.info(
-                        "gograph: the lent gradient buffer %s was still .grad when a replay would overwrite it "
+                        "the lent gradient buffer %s was still .grad when a replay would overwrite it "
                         "(the caller now keeps its grads): moved to memory of its own, owned from now on",
                         e.slot.label,
                     )
@@ -223,7 +223,7 @@ def _copy_out(e: _Lent, at_reset: bool = False) -> bool:
     if _torch.storage_use_count(storage) > slot.baseline:
         if at_reset:
             log.warning(
-                "gograph: reset while a tensor sharing the gradient buffer %s is still alive (a view of an "
+                "reset while a tensor sharing the gradient buffer %s is still alive (a view of an "
                 "old .grad, or a backward of this callable running on another thread): it keeps the last "
                 "backward's values",
                 slot.label,
@@ -715,7 +715,7 @@ class GraphedCallable:
         if not self._cast_noted:
             self._cast_noted = True
             log.debug(
-                "gograph: %s has dtype %s; the copy into its %s static input casts it (as torch's "
+                "%s has dtype %s; the copy into its %s static input casts it (as torch's "
                 "graphed callables do, e.g. under autocast)",
                 where,
                 new.dtype,
@@ -769,7 +769,7 @@ class GraphedCallable:
             self.static_input_surface = self.static_outputs = self.module_params = ()
             self.static_grad_outputs = self.static_grad_inputs = ()
             self._param_grad_slots, self._input_sig, self._wgrad, self._shared_guards = (), (), None, ()
-        log.debug("gograph: reset pass %d (%s)", self.pass_id, self.label)
+        log.debug("reset pass %d (%s)", self.pass_id, self.label)
 
 
 def _no_backward_reason(spec: PassSpec) -> str:
@@ -796,12 +796,12 @@ def _finalize(engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | No
     try:
         WATCH.forget(pass_id)
     except Exception as e:  # a finalizer must not raise
-        log.warning("gograph: forgetting the hand-outs of pass %d: %s", pass_id, str(e))
+        log.warning("forgetting the hand-outs of pass %d: %s", pass_id, str(e))
     if lent is not None:
         try:
             lent.drop_pass(pass_id)
         except Exception as e:  # a finalizer must not raise
-            log.warning("gograph: copying out the lent gradients of pass %d: %s", pass_id, str(e))
+            log.warning("copying out the lent gradients of pass %d: %s", pass_id, str(e))
     engine.finalize_pass(pass_id, pool)
 
 

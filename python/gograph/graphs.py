@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch
 
-from . import _args, _core, _native
+from . import _args, _core, _native, _te
 from ._build import prepared
 from .engines import EagerPool
 from .graphed import GraphedCallable
@@ -204,11 +204,29 @@ def make_graphed_callables(
         Exception: an exception raised by a callable during warmup or capture is raised again (same
             type, chained) naming the callable index and the phase; every pass created so far is
             released and the generator state restored.
+
+    Example:
+        A module graphed whole and trained as it would be eagerly (CUDA tensors capture CUDA
+        graphs; CPU tensors run the eager reference engine, with the same API)::
+
+            >>> import torch, gograph
+            >>> device = "cuda" if gograph.cuda_available() else "cpu"
+            >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to(device)
+            >>> sample = torch.randn(4, 8, device=device)
+            >>> model = gograph.make_graphed_callables(model, (sample,), engine=None if device == "cuda" else "eager")
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> for _ in range(3):
+            ...     loss = model(torch.randn(4, 8, device=device)).square().mean()  # one forward replay
+            ...     loss.backward()  # one backward replay
+            ...     opt.step()
+            ...     opt.zero_grad()
+            >>> model.reset()  # releases its graphs and its share of the pool
     """
     _refuse_nested_build()
-    req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
-    with prepared(req) as build:
-        graphed = build.run()
+    with _te.graph_capturing():
+        req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
+        with prepared(req) as build:
+            graphed = build.run()
     ret = [_attach(g, spec, req.ordered) for g, spec in zip(graphed, build.specs)]
     return ret[0] if req.just_one else tuple(ret)
 

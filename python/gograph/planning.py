@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _args, _core, _probe, _static_bytes, _torch
+from . import _args, _core, _probe, _static_bytes, _te, _torch
 from ._build import prepared
 from ._observe import fmt_bytes, json_text
 from .engines import CudaEngine
@@ -146,18 +146,19 @@ def plan_memory(
     With ``pool=`` shared with earlier builds the pool predictions are for a new pool (an upper
     bound: the shared pool's free blocks may serve part)."""
     _refuse_nested_build()
-    req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
-    allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
-    req = dataclasses.replace(req, num_warmup_iters=1, progress=False)
-    with prepared(req) as build:
-        found = _probe.probe(build)
-        handle = build.schedule.handle
-        prediction = None
-        if found.trace is not None:  # the buffers outside the pool share its segments with warmup's caches
-            new = "".join(f"new {n}\n" for n in _static_bytes.new_sizes(_static_bytes.count(found)))
-            # a build that would not record its warmup carves no seed: nor does its plan
-            trace = found.trace + new + ("" if _probe.seed_may_matter(build.states) else "noseed\n")
-            prediction = str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, trace))
+    with _te.graph_capturing():  # the warmup as the build runs it
+        req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
+        allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
+        req = dataclasses.replace(req, num_warmup_iters=1, progress=False)
+        with prepared(req) as build:
+            found = _probe.probe(build)
+            handle = build.schedule.handle
+            prediction = None
+            if found.trace is not None:  # the buffers outside the pool share its segments with warmup's caches
+                new = "".join(f"new {n}\n" for n in _static_bytes.new_sizes(_static_bytes.count(found)))
+                # a build that would not record its warmup carves no seed: nor does its plan
+                trace = found.trace + new + ("" if _probe.seed_may_matter(build.states) else "noseed\n")
+                prediction = str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, trace))
     engine = build.engine
     if isinstance(engine, CudaEngine):
         _leave_allocator_as_found(engine, allocated)

@@ -114,8 +114,9 @@ def test_out_of_order_backward_raises():
     x = torch.randn(4, 8, requires_grad=True)
     ya = a(x)
     yb = b(torch.randn(4, 8, requires_grad=True))  # independent: autograd would allow either order
-    with pytest.raises(RuntimeError, match=r"refusing to replay the backward of graphed callable 0"):
+    with pytest.raises(RuntimeError, match=r"refusing to replay the backward of graphed callable 0") as info:
         ya.sum().backward()
+    assert str(info.value).startswith("gograph: replay order: ")  # the prefix of every gograph error
     yb.sum().backward()
     # ya's graph is spent (its backward raised); a fresh step in order works.
     _step([a, b], x)

@@ -152,7 +152,7 @@ def test_capture_logging_reports_memory(warm_engine, caplog):
     mods = _layers(dev)
     with caplog.at_level(logging.INFO, logger="gograph"):
         graphed = gograph.make_graphed_callables(tuple(mods), _args(dev))
-    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gograph: captured ")]
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured ")]
     assert len(msgs) == 2 * LAYERS
     assert all(" MiB (capture #" in m or " KiB (capture #" in m for m in msgs), msgs
     assert any("warmup peak" in r.getMessage() for r in caplog.records)

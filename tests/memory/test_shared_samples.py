@@ -234,6 +234,6 @@ def test_the_build_says_what_it_separated(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level("INFO", logger="gograph"):
         graphed = gograph.make_graphed_callables(tuple(Layer(i) for i in range(3)), _one_sample(3))
     said = [r.getMessage() for r in caplog.records if "share memory" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("gograph: 2 sample arg(s) of 2 pass(es) share memory")
+    assert len(said) == 1 and said[0].startswith("2 sample arg(s) of 2 pass(es) share memory")
     for g in graphed:
         g.forward.reset()

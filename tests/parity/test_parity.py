@@ -182,8 +182,11 @@ def test_build_backward_raises_torchs_errors(small_graph):
         torch.autograd.grad(outs, (x, u), (g,), retain_graph=True)
     with pytest.raises(RuntimeError) as ours:
         _bodies.autograd_grad(outs, (x, u), (g,), False, True)
-    assert str(ours.value) == str(torch_error.value)
+    assert str(ours.value.__cause__) == str(torch_error.value)  # the engine's own error, chained
     assert "appears to not have been used in the graph" in str(ours.value)
+    # said with gograph's option and the input it is about, not autograd's allow_unused
+    assert "a sample arg of shape (2,) does not reach the outputs" in str(ours.value)
+    assert "allow_unused_input=True" in str(ours.value) and "allow_unused=" not in str(ours.value)
 
 
 @pytest.mark.parametrize("case", ["plain", "subclass", "mode", "autograd-debug-log"])
