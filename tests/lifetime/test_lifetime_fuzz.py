@@ -1,0 +1,146 @@
+"""A differential lifetime fuzzer: random builds and training programs, graphed and eager.
+
+Each case draws a build (1-6 callables of every kind -- modules, a plain function, several and
+nested outputs, keyword arguments, an unused input, delayed weight gradients -- in train, eval,
+no-grad or frozen mode, inputs with and without grad, samples sharing memory; or a Megatron-LM
+pipeline schedule as ``_order``; ``num_warmup_iters`` 0-3, capture-time hooks, ``chain_buffers``,
+``_reuse_graph_input_output_buffers``, ``clone_param_grads_on_return``, ``debug_replay_order``; a
+fault injected into the build) and a program (steps of 1-3 micro-batches, ``loss.backward()`` or
+``torch.autograd.grad``, ``zero_grad(set_to_none=True/False)``, ``backward_dw()``, evaluation
+under ``torch.no_grad()``, ``reset()`` of some callables on the way), runs the program eagerly
+and through gograph, and checks three oracles (tests/lifetime/_fuzz_*.py):
+
+1. values: every output, input grad, parameter grad and parameter bitwise equal to eager;
+2. liveness: warmup and capture outputs dead where they must be, static buffers dead after
+   ``reset()`` (and, on CUDA, reserved memory back where it was before the build);
+3. canaries: every ``.grad`` the program holds keeps its identity, address and eager's values;
+   every held output keeps its values unless the docs say a replay overwrites it.
+
+A configuration the API refuses with a documented error is a valid case (the error is checked).
+On the CPU the eager engine runs, with pool overwrites made visible (``_fuzz_engine``).
+
+Reproducible: a fixed seed (``GOGRAPH_FUZZ_SEED`` overrides it) and a case count
+(``GOGRAPH_FUZZ_CASES``, default 300 on the CPU, about 10-20 s, and 500 on CUDA; ten times that
+for a soak). A failure prints the shrunk case as the call and loop it stands for, and as a
+``Case(...)`` to paste into ``KNOWN`` below; ``--hypothesis-show-statistics`` shows what the
+cases exercised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("hypothesis")
+
+from _fuzz_case import run_case
+from _fuzz_config import Case, Layer, Pipeline, cases, describe
+from hypothesis import HealthCheck, event, given, note, seed, settings
+
+pytestmark = pytest.mark.fuzz
+
+SEED = int(os.environ.get("GOGRAPH_FUZZ_SEED", "20250601"))
+CASES = os.environ.get("GOGRAPH_FUZZ_CASES")
+_SETTINGS = {
+    "deadline": None,
+    "database": None,
+    "print_blob": False,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+}
+
+
+def _check(case: Case, device: torch.device) -> None:
+    note(describe(case))
+    note(repr(case))
+    events: list[str] = []
+    violations = run_case(case, device, events)
+    for e in sorted(set(events)):
+        event(e)
+    assert not violations, "\n".join(violations)
+
+
+@seed(SEED)
+@settings(max_examples=int(CASES or 300), **_SETTINGS)
+@given(case=cases())
+def test_lifetime_fuzz_eager_engine(case: Case, frozen_heap: None) -> None:
+    _check(case, torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@seed(SEED)
+@settings(max_examples=int(CASES or 500), **_SETTINGS)
+@given(case=cases())
+def test_lifetime_fuzz_cuda_engine(
+    case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
+) -> None:
+    _check(case, cuda_device)
+
+
+#: Shrunk cases the fuzzer found (each fails on a bug it found), and a few that exercise the oracles'
+#: refusal, reset and fault paths, run every time as plain tests.
+KNOWN: dict[str, Case] = {
+    "an inference warmup output dies before the next warmup forward": Case(
+        layers=(Layer("fn", input_grad=False), Layer("linear")), num_warmup_iters=1, hooks=True
+    ),
+    "an inference warmup output dies before the next layer's warmup forward (_order)": Case(
+        layers=(Layer("fn", input_grad=False), Layer("block")),
+        pipeline=Pipeline(pipeline_size=1, rank=0, microbatches=1, layers=(2,)),
+        num_warmup_iters=1,
+    ),
+    "accumulation keeps one .grad at one address": Case(layers=(Layer("linear"),), num_warmup_iters=1, micro=2),
+    "zero_grad(set_to_none=False) keeps one .grad at one address": Case(
+        layers=(Layer("linear"),), num_warmup_iters=1, set_to_none=False
+    ),
+    "backward_dw() copies out the lent grads its replay may overwrite": Case(
+        layers=(Layer("linear"), Layer("delayed", from_prev=True)), num_warmup_iters=1
+    ),
+    "a delayed weight gradient in an inference build": Case(
+        layers=(Layer("delayed", mode="eval"),), num_warmup_iters=1
+    ),
+    "a delayed weight gradient in a first layer": Case(
+        layers=(Layer("delayed", input_grad=False),), num_warmup_iters=1
+    ),
+    "a delayed weight gradient without warmup": Case(layers=(Layer("delayed"),), num_warmup_iters=0),
+    "an eval module keeps its input's gradient": Case(layers=(Layer("linear", mode="eval"),), num_warmup_iters=1),
+    "train and eval modules in one call": Case(
+        layers=(Layer("linear"), Layer("linear", mode="eval", from_prev=True)), num_warmup_iters=1
+    ),
+    "a kept torch.autograd.grad result keeps its values": Case(
+        layers=(Layer("linear"),), num_warmup_iters=1, autograd_grad=True, set_to_none=False
+    ),
+    "one mask sample for two callables, without warmup": Case(
+        layers=(Layer("kwargs"), Layer("kwargs")), num_warmup_iters=0, shared_samples=True
+    ),
+    "a pipeline with delayed weight gradients": Case(
+        layers=(Layer("delayed"), Layer("block")),
+        pipeline=Pipeline(pipeline_size=1, rank=0, microbatches=2, layers=(1, 1), reset_after=(1,)),
+        num_warmup_iters=1,
+    ),
+    "a chained callable cut off by a reset refuses another input": Case(
+        layers=(Layer("mlp"), Layer("dropout", from_prev=True), Layer("loss", from_prev=True)),
+        num_warmup_iters=1,
+        chain_buffers=True,
+        resets=((1, 0, 0),),
+    ),
+    "a build that fails in a capture leaves nothing behind": Case(
+        layers=(Layer("mlp"), Layer("linear", from_prev=True)), num_warmup_iters=1, fault=(1, "backward", 1)
+    ),
+    "chain_buffers without warmup is refused": Case(layers=(Layer("linear"),), num_warmup_iters=0, chain_buffers=True),
+}
+
+
+@pytest.mark.parametrize("case", list(KNOWN.values()), ids=list(KNOWN))
+def test_known_lifetime_cases_eager_engine(case: Case, frozen_heap: None) -> None:
+    violations = run_case(case, torch.device("cpu"))
+    assert not violations, describe(case) + "\n" + "\n".join(violations)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(KNOWN.values()), ids=list(KNOWN))
+def test_known_lifetime_cases_cuda_engine(
+    case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
+) -> None:
+    violations = run_case(case, cuda_device)
+    assert not violations, describe(case) + "\n" + "\n".join(violations)
