@@ -322,8 +322,8 @@ class Build:
 def _plain_copies(st: PassState) -> frozenset[int]:
     """The leaves the shared-input guard leaves alone: chained ones (never copied into) and those
     the forward writes in place (a replay changes their buffer without a version bump), every
-    leaf when no warmup ran to tell."""
-    if not st.warmed:
+    leaf when no forward ran to tell (a pass without warmup learns it at its capture)."""
+    if not (st.warmed or st.inputs_seen):
         return frozenset(range(len(st.flat_args)))
     return frozenset(st.chained_inputs) | st.mutated_inputs
 

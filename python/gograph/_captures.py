@@ -21,6 +21,7 @@ from torch import Tensor
 from . import _plan, _reuse, _te
 from ._bodies import BackwardBody
 from ._state import PassState
+from ._shared_inputs import version_of
 from ._warmup import check_outputs
 from .engines import BACKWARD, FORWARD, WGRAD
 
@@ -119,6 +120,7 @@ def capture_forward(build: Any, st: PassState, program: _plan.CaptureProgram) ->
     spec, func = st.spec, build.req.callables[st.spec.callable_index]
     build.req.hooks.run("forward_pre_hooks", spec.callable_index, func)
     discover = build.req.num_warmup_iters == 0 and not build.req.ordered  # no warmup found the wgrad modules
+    before = None if st.warmed else [version_of(t) for t in st.flat_args]  # what no warmup told
     with (
         torch.set_grad_enabled(spec.grad_enabled),
         _te.discover_wgrad_modules(func, st.wgrad_modules) if discover else contextlib.nullcontext(),
@@ -133,6 +135,9 @@ def capture_forward(build: Any, st: PassState, program: _plan.CaptureProgram) ->
             mode=build.req.capture_mode,
         )
     check_outputs(st, outputs, build.device)
+    if before is not None:  # which leaves its forward writes in place (version counters move in a capture too)
+        st.mutated_inputs = frozenset(j for j, (t, v) in enumerate(zip(st.flat_args, before)) if version_of(t) != v)
+        st.inputs_seen = True
     st.output_spec = st.body.out_spec
     build.req.hooks.run("forward_hooks", spec.callable_index, func)
     # Keep detached aliases: the static storage, without the capture's autograd graph.

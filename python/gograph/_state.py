@@ -44,6 +44,7 @@ class PassState:
         self.warm_outputs: tuple[Tensor, ...] | None = None
         self.warm_grads: tuple[Tensor | None, ...] | None = None
         self.warmed = False
+        self.inputs_seen = False  # a forward ran that said which input leaves it writes in place
         self.warm_backwards = 0  # TransformerEngine's grad rules differ on the first iteration
         self.warm_backward_ran = False  # the latest warmup backward ran (some output required grad)
         # capture

@@ -143,7 +143,9 @@ def _pipeline_case(draw: st.DrawFn) -> Case:
     layers = tuple(
         Layer(kind=draw(st.sampled_from(PIPELINE_KINDS)), input_grad=draw(st.booleans()) or i > 0) for i in range(n)
     )
-    microbatches = draw(st.integers(1, 3))
+    # Megatron-LM's interleaved schedule: at least pipeline_size microbatches, and the last group of
+    # pipeline_size (gograph.megatron_order's rule) empty or full -- a multiple of it here.
+    microbatches = draw(st.integers(1, 3)) if pp == 1 else pp * draw(st.integers(1, 2))
     passes = n * microbatches
     pipeline = Pipeline(
         pipeline_size=pp,

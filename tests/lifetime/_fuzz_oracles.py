@@ -12,7 +12,7 @@
   the next forward of its own callable ran (the documented static-output contract) or it is a
   pool-planned buffer (``released_outputs``) that a later replay may overwrite -- then, with
   ``debug_replay_order``, reading it must raise the checker's error. A kept
-  ``torch.autograd.grad`` result of a parameter keeps its values, whatever replays.
+  ``torch.autograd.grad`` result of a parameter without a ``.grad`` keeps its values, whatever replays.
 
 Only weak references are held to ``.grad`` tensors: a strong one would look to gograph like a
 holder of a lent buffer and change what it does.

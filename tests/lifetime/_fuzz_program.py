@@ -186,13 +186,16 @@ class DefaultProgram:
 
     def _differentiate(self, loss: Tensor, fresh: list[tuple[str, Tensor]], where: str) -> None:
         """``loss.backward()``, or ``torch.autograd.grad`` of the inputs and parameters: the
-        parameters' results are kept for the rest of training (they must not change) and summed
-        into ``.grad`` (in place where it exists, as AccumulateGrad does)."""
+        parameters' results are summed into ``.grad`` (in place where it exists, as AccumulateGrad
+        does), and those of parameters without a ``.grad`` are kept for the rest of training (they
+        must not change). Where ``.grad`` exists the result is the static buffer, as for input
+        grads (docs/API.md): read now, not kept."""
         if not self.plan.case.autograd_grad:
             loss.backward()
             self.world.checkpoint(f"{where}, after loss.backward()")
             return
         named = [(name, p) for name, p in self.world.params if p.requires_grad]
+        had_grad = {name for name, p in named if p.grad is not None}
         leaves = [t for _, t in fresh if t.requires_grad]
         grads = torch.autograd.grad(loss, [*leaves, *(p for _, p in named)], allow_unused=True)
         for t, g in zip(leaves, grads):
@@ -201,7 +204,8 @@ class DefaultProgram:
         for (name, p), g in zip(named, grads[len(leaves) :]):
             if g is None:
                 continue
-            kept.append((name, g))
+            if name not in had_grad and self.plan.case.clone_param_grads:  # else torch's aliasing
+                kept.append((name, g))
             if p.grad is None:
                 p.grad = g.detach().clone()
             else:

@@ -107,7 +107,7 @@ KNOWN: dict[str, Case] = {
     "train and eval modules in one call": Case(
         layers=(Layer("linear"), Layer("linear", mode="eval", from_prev=True)), num_warmup_iters=1
     ),
-    "a kept torch.autograd.grad result keeps its values": Case(
+    "torch.autograd.grad where .grad exists (the static buffer, read at once)": Case(
         layers=(Layer("linear"),), num_warmup_iters=1, autograd_grad=True, set_to_none=False
     ),
     "one mask sample for two callables, without warmup": Case(
