@@ -20,8 +20,8 @@ from torch import Tensor
 
 from . import _plan, _reuse, _te
 from ._bodies import BackwardBody
-from ._state import PassState
 from ._shared_inputs import version_of
+from ._state import PassState
 from ._warmup import check_outputs
 from .engines import BACKWARD, FORWARD, WGRAD
 
