@@ -202,8 +202,8 @@ def capture_wgrad(build: Any, st: PassState) -> None:
     submodules does. Nothing is captured when none needs one (unknown before capture without
     warmup)."""
     mods = list(st.wgrad_modules.values())
-    if not (st.need_dw or _te.modules_needing_dw(mods)):
-        return
+    if not st.has_backward or not (st.need_dw or _te.modules_needing_dw(mods)):
+        return  # no backward ran (its outputs need no grad, known at capture without warmup): nothing to do
     body = _te.WgradBody(mods, st.spec.label)
     _, st.seq[2] = build.engine.capture(
         st.pass_id, WGRAD, body, pool=build.pool, uses_rng=st.rng[2], mode=build.req.capture_mode

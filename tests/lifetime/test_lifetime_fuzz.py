@@ -107,6 +107,9 @@ KNOWN: dict[str, Case] = {
     "train and eval modules in one call": Case(
         layers=(Layer("linear"), Layer("linear", mode="eval", from_prev=True)), num_warmup_iters=1
     ),
+    "a delayed layer under no_grad, without warmup, gets no weight-gradient graph": Case(
+        layers=(Layer("delayed", mode="nograd"),), num_warmup_iters=0, set_to_none=False
+    ),
     "torch.autograd.grad where .grad exists (the static buffer, read at once)": Case(
         layers=(Layer("linear"),), num_warmup_iters=1, autograd_grad=True, set_to_none=False
     ),
@@ -143,4 +146,19 @@ def test_known_lifetime_cases_cuda_engine(
     case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
 ) -> None:
     violations = run_case(case, cuda_device)
+    assert not violations, describe(case) + "\n" + "\n".join(violations)
+
+
+@pytest.mark.xfail(strict=True, reason="open: _order + _reuse_graph_input_output_buffers + a weight-gradient entry")
+def test_order_reuse_with_weight_gradient_entries_eager_engine(frozen_heap: None) -> None:
+    """Found by the fuzzer at ten times its budget: a delayed layer in chunk 1 of an _order with
+    buffer reuse and weight-gradient entries gets a wrong main_grad (not without reuse)."""
+    case = Case(
+        layers=(Layer("delayed", input_grad=False), Layer("block")),
+        pipeline=Pipeline(pipeline_size=1, rank=0, microbatches=1, layers=(1, 1), wgrad_entries=True),
+        num_warmup_iters=1,
+        reuse=True,
+        set_to_none=False,
+    )
+    violations = run_case(case, torch.device("cpu"))
     assert not violations, describe(case) + "\n" + "\n".join(violations)
