@@ -2,7 +2,7 @@
 # Runs on the GPU machine (the device tool), in a copy of this repo whose
 # python/gograph/_core_cpu and _core_cuda were built here by `make gpu-bundle` and carried.
 # Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [bench] [profile] [pipeline] [companion] [hostmem] [capture]
-#                                [footprint] [recv] [floor] [default] [steptime] [plan] [shared]
+#                                [footprint] [recv] [floor] [default] [steptime] [plan] [shared] [multirank]
 #        (default: tests demo)
 # Logs go to $OUT (the device tool's return folder) when set.
 set -uo pipefail
@@ -50,8 +50,9 @@ for w in "${what[@]}"; do
     steptime) for m in none zero; do timeout 120 python3 bench/steptime.py --workload stack --mode $m \
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    multirank) timeout 500 python3 bench/multirank.py --json "$out/multirank.json" 2>&1 | tee "$out/multirank.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     shared) timeout 120 python3 bench/shared_samples.py --json "$out/shared_samples.json" 2>&1 | tee "$out/shared_samples.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, multirank)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"
