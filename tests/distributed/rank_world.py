@@ -195,32 +195,39 @@ def _run_one(
     run_id: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    group_timeout: float,
+    group_timeout: float | None,
 ) -> tuple[Any, str | None, str | None, float]:
-    """Runs ``fn(ctx, *args)`` in a fresh process group: (value, error, traceback, seconds)."""
+    """Runs ``fn(ctx, *args)`` in a fresh process group (none when ``group_timeout`` is None):
+    (value, error, traceback, seconds)."""
     t0 = time.monotonic()
     try:
-        kwargs: dict[str, Any] = {"device_id": ctx.device} if ctx.layout.backend == "nccl" else {}
-        dist.init_process_group(
-            ctx.layout.backend,
-            store=dist.PrefixStore(f"run{run_id}", store),
-            rank=ctx.rank,
-            world_size=ctx.size,
-            timeout=datetime.timedelta(seconds=group_timeout),
-            **kwargs,
-        )
+        if group_timeout is not None:
+            _join_group(ctx, dist.PrefixStore(f"run{run_id}", store), group_timeout)
         try:
             value = fn(ctx, *args)
             ctx.sync()
         finally:
             # A rank that leaves its group closes its connections: peers still waiting on it in
             # a collective fail at once instead of at the group's timeout.
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         result = (value, None, None, time.monotonic() - t0)
     except BaseException as e:  # reported to the test process with the traceback
         result = (None, f"{type(e).__name__}: {e}", traceback.format_exc(), time.monotonic() - t0)
     _settle()  # once the traceback is gone, so nothing a failed run held is frozen
     return result
+
+
+def _join_group(ctx: RankContext, store: dist.Store, timeout: float) -> None:
+    kwargs: dict[str, Any] = {"device_id": ctx.device} if ctx.layout.backend == "nccl" else {}
+    dist.init_process_group(
+        ctx.layout.backend,
+        store=store,
+        rank=ctx.rank,
+        world_size=ctx.size,
+        timeout=datetime.timedelta(seconds=timeout),
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,9 +297,11 @@ class RankWorld:
         *args: Any,
         size: int,
         timeout: float = 60.0,
-        group_timeout: float = GROUP_TIMEOUT_S,
+        group_timeout: float | None = GROUP_TIMEOUT_S,
     ) -> list[RankOutcome]:
-        """Every rank's outcome of ``fn(ctx, *args)`` on ranks ``0..size-1``, within ``timeout``."""
+        """Every rank's outcome of ``fn(ctx, *args)`` on ranks ``0..size-1``, within ``timeout``
+        seconds; the run's process group waits ``group_timeout`` seconds in a collective before
+        it raises (None: no process group, for runs that test the world itself)."""
         if self.closed:
             raise RuntimeError(f"this world ({self.layout}) was shut down")
         if not 1 <= size <= self.layout.procs:
