@@ -3,7 +3,7 @@
 # whose python/gograph/_core_cpu and _core_cuda were built by `make gpu-bundle` (on the GPU machine
 # itself, or on a build machine and copied over with the tree).
 # Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [summary] [bench] [profile] [pipeline] [companion]
-#                                [hostmem] [capture] [footprint] [recv] [floor] [default] [steptime] [plan] [shared] [megatron]
+#                                [hostmem] [capture] [footprint] [recv] [floor] [default] [steptime] [plan] [shared] [megatron] [multirank]
 #        (default: tests demo; summary: the measurements of docs/BENCHMARKS.md's summary)
 # Logs and JSON results go to $OUT when set (default /tmp/gograph-gpu-out).
 set -uo pipefail
@@ -61,8 +61,9 @@ for w in "${what[@]}"; do
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/summary-steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/summary-steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     shared) timeout 120 python3 bench/shared_samples.py --json "$out/shared_samples.json" 2>&1 | tee "$out/shared_samples.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
+    multirank) timeout 500 python3 bench/multirank.py --json "$out/multirank.json" 2>&1 | tee "$out/multirank.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     megatron) timeout 500 python3 bench/megatron.py --json "$out/megatron.json" 2>&1 | tee "$out/megatron.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, summary, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, megatron)"; rc=2 ;;
+    *) echo "unknown step $w (tests, alltests, demo, summary, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, megatron, multirank)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"
