@@ -67,3 +67,11 @@ def no_leaked_passes(request: pytest.FixtureRequest) -> Iterator[None]:
     gc.collect()
     assert gograph.live_passes() <= passes, "the test leaked gograph pass records"
     assert gograph.live_graphs() <= graphs, "the test leaked graphs"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The multi-rank suite spawns rank processes (tens of seconds on two cores): one CPython runs
+    it (``make test``), ``make test-pythons`` leaves it out."""
+    for item in items:
+        if "tests/distributed/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.one_python)

@@ -61,6 +61,7 @@ def _check(case: Case, device: torch.device) -> None:
     assert not violations, "\n".join(violations)
 
 
+@pytest.mark.one_python
 @seed(SEED)
 @settings(max_examples=int(CASES or 300), **_SETTINGS)
 @given(case=cases())
