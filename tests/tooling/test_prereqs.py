@@ -101,8 +101,10 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 def _make(tmp_path: Path, *args: str, path: str) -> subprocess.CompletedProcess[str]:
     venv = tmp_path / "venv-of-test"
     env = dict(os.environ, PATH=path)
-    env.pop("GO", None)
-    env.pop("PYTHON", None)
+    # Nothing of an enclosing make (`make test-pythons` passes LEAN_FROM, PYTEST_ARGS, ... down
+    # through MAKEFLAGS) may reach the make under test.
+    for name in ("GO", "PYTHON", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "LEAN_FROM", "PYTEST_ARGS"):
+        env.pop(name, None)
     return subprocess.run(
         ["make", "-n", "--no-print-directory", f"VENV={venv}", *args],
         cwd=ROOT,
