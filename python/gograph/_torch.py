@@ -166,20 +166,8 @@ def tensor_hooks_suspended(tensors: Iterable[Tensor | None]) -> Iterator[None]:
     changes the grad twice), where a CUDA replay runs no autograd at all. A tensor's
     ``_backward_hooks`` dict is what autograd's C++ pre-hook iterates at call time, so emptying
     that same dict suspends them (checked on torch 2.9-2.11); the items go back in order."""
-    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
-    for t in tensors:
-        hooks = getattr(t, "_backward_hooks", None) if t is not None else None
-        if hooks:
-            saved.append((hooks, list(hooks.items())))
-            hooks.clear()
-    try:
+    with _hook_dicts_emptied(getattr(t, "_backward_hooks", None) if t is not None else None for t in tensors):
         yield
-    finally:
-        for hooks, items in saved:
-            added = list(hooks.items())  # registered while suspended: keep them, after the old ones
-            hooks.clear()
-            hooks.update(items)
-            hooks.update(added)
 
 
 # -- module hooks (Module.register_forward_hook and the like) --
@@ -196,9 +184,16 @@ def module_hooks_suspended(module: torch.nn.Module) -> Iterator[None]:
     replay runs none. ``nn.Module._call_impl`` reads these four dicts at call time (the
     ``*_with_kwargs`` / ``*_always_called`` companions are looked up by their ids), so emptying
     them suspends the hooks (checked on torch 2.9-2.11); the items go back in order."""
+    with _hook_dicts_emptied(module.__dict__.get(name) for name in _MODULE_HOOK_DICTS):
+        yield
+
+
+@contextlib.contextmanager
+def _hook_dicts_emptied(dicts: Iterable[dict[Any, Any] | None]) -> Iterator[None]:
+    """Empties each non-empty hook dict inside; its items go back in order after, followed by any
+    registered while it was empty."""
     saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
-    for name in _MODULE_HOOK_DICTS:
-        hooks = module.__dict__.get(name)
+    for hooks in dicts:
         if hooks:
             saved.append((hooks, list(hooks.items())))
             hooks.clear()
