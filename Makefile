@@ -77,13 +77,16 @@ vet:
 $(GOBIN_TOOLS)/staticcheck: go.mod go.sum
 	$(Q)GOBIN=$(GOBIN_TOOLS) $(GO) install honnef.co/go/tools/cmd/staticcheck
 
-# Static checks: ruff (lint and format), mypy on the package (with its typed core stub), and
-# staticcheck on both flavors of the Go code.
+# Static checks: ruff (lint and format, complexity and statement limits), mypy on the package
+# (with its typed core stub, checked against the built extension by stubtest), and staticcheck
+# on both flavors of the Go code.
 lint: venv build $(GOBIN_TOOLS)/staticcheck
 	@echo "== lint: ruff, mypy, staticcheck"
 	$(Q)$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(Q)$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(Q)$(VENV)/bin/mypy
+	@# the typed stub of the core against the extension the build made (parameter names included)
+	$(Q)PYTHONPATH=python MYPYPATH=python $(PY) -m mypy.stubtest gograph._core
 	@# typed user code following the README (torch's own Tensor.backward is untyped: allowed)
 	$(Q)MYPYPATH=python $(VENV)/bin/mypy --strict --allow-untyped-calls tests/typing/usage.py
 	$(Q)$(GOBIN_TOOLS)/staticcheck ./...

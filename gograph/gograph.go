@@ -36,7 +36,7 @@ import (
 )
 
 // coreVersion is the semver of the core; Python checks it against its own.
-const coreVersion = "0.2.0"
+const coreVersion = "0.3.0"
 
 // The process-wide registries (the extension is loaded once per
 // interpreter): the graph registry over this build's driver, the ledger of

@@ -18,7 +18,7 @@ const noCUDA = "gograph core was built without CUDA support (cpu flavor)"
 func errOf(_ bool, err error) error { return err }
 
 func TestBuildInfo(t *testing.T) {
-	if v := CoreVersion(); v != "0.2.0" {
+	if v := CoreVersion(); v != "0.3.0" {
 		t.Errorf("CoreVersion = %q", v)
 	}
 	if f := Flavor(); f != "cpu" {

@@ -18,7 +18,7 @@ import (
 // (0 when that kind's capture was not recorded).
 func CaptureSeq(pass int64, kind int) (seq int, err error) {
 	defer recoverPanic("capture_seq", &err)
-	seq, _, err = passes.CaptureSeq(pass, state.Kind(kind))
+	seq, _, err = passes.CaptureSeq(pass, state.GraphKind(kind))
 	return seq, err
 }
 
@@ -48,7 +48,7 @@ func SetReplayOrderCheck(pass int64, on bool) (enabled bool, err error) {
 // per-iteration call in debug mode, so it returns a bool.
 func CheckReplayOrder(pass int64, kind int) (ok bool, err error) {
 	defer recoverPanic("check_replay_order", &err)
-	if err := passes.CheckOrder(pass, state.Kind(kind)); err != nil {
+	if err := passes.CheckOrder(pass, state.GraphKind(kind)); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -86,7 +86,7 @@ func ReplayOrderState(pool string) (s string, err error) {
 // content another graph overwrote.
 func SetReplayRecarveSpec(pass int64, kind int, spec string) (ok bool, err error) {
 	defer recoverPanic("set_replay_recarve_spec", &err)
-	if err := passes.SetRecarveSpec(pass, state.Kind(kind), spec); err != nil {
+	if err := passes.SetRecarveSpec(pass, state.GraphKind(kind), spec); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -99,7 +99,7 @@ func SetReplayRecarveSpec(pass int64, kind int, spec string) (ok bool, err error
 // MESSAGE. "" when there are none or the checker does not know the graph.
 func ReplayClobbers(pass int64, kind int) (lines string, err error) {
 	defer recoverPanic("replay_clobbers", &err)
-	cs, err := passes.RecarveClobbers(pass, state.Kind(kind))
+	cs, err := passes.RecarveClobbers(pass, state.GraphKind(kind))
 	if err != nil {
 		return "", err
 	}

@@ -159,9 +159,9 @@ func FuzzBoundary(f *testing.F) {
 // error names its function, equal inputs give equal outputs, and every plan
 // made is freed.
 func FuzzPlanBoundary(f *testing.F) {
-	f.Add("", "", 2, 2, true, 3, "pass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n", byte(7))
-	f.Add("1,2,-2,-1", "", 2, 2, true, 1, "in 0 0 1 1 1\nin 1 0 1 1 1\n", byte(1))
-	f.Add("1,1,-1,-1", "*2", 2, 4, true, 0, "pass 1 1 1 0 0 0\n", byte(3))
+	f.Add("", "", 2, 2, true, 3, "facts v1\npass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n", byte(7))
+	f.Add("1,2,-2,-1", "", 2, 2, true, 1, "facts v1\nin 0 0 1 1 1\nin 1 0 1 1 1\n", byte(1))
+	f.Add("1,1,-1,-1", "*2", 2, 4, true, 0, "facts v1\npass 1 1 1 0 0 0\n", byte(3))
 	f.Add("1,-1.5,-1", "1,1", 2, 2, false, -1, "garbage", byte(0))
 	f.Fuzz(func(t *testing.T, order, layers string, n, m int, training bool, warm int, facts string, flags byte) {
 		n, m = n%4096, m%4096 // keep plans small; huge counts are checked by the schedule's own tests

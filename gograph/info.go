@@ -4,7 +4,7 @@ package gograph
 
 import "github.com/gograph/gograph/internal/cudagraph"
 
-// CoreVersion returns the semver of the core, e.g. "0.2.0".
+// CoreVersion returns the semver of the core, e.g. "0.3.0".
 func CoreVersion() string { return coreVersion }
 
 // Flavor returns "cpu" or "cuda": which build of the core this is.

@@ -20,7 +20,7 @@ func NewPass(callableIndex int, label string) (pass int64, err error) {
 // reference on pool; on failure nothing changed.
 func BeginPassCapture(pass int64, kind int, pool string, stream int64, mode int) (ok bool, err error) {
 	defer recoverPanic("begin_pass_capture", &err)
-	return done(opErr("begin_pass_capture", passes.BeginCapture(pass, state.Kind(kind), pool, stream, mode)))
+	return done(opErr("begin_pass_capture", passes.BeginCapture(pass, state.GraphKind(kind), pool, stream, mode)))
 }
 
 // EndPassCapture ends pass's open capture of kind on stream, instantiates
@@ -29,7 +29,7 @@ func BeginPassCapture(pass int64, kind int, pool string, stream int64, mode int)
 // attached; the pool reference stays with the pass.
 func EndPassCapture(pass int64, kind int, stream int64) (seq int, err error) {
 	defer recoverPanic("end_pass_capture", &err)
-	seq, err = passes.EndCapture(pass, state.Kind(kind), stream)
+	seq, err = passes.EndCapture(pass, state.GraphKind(kind), stream)
 	return seq, opErr("end_pass_capture", err)
 }
 
@@ -38,7 +38,7 @@ func EndPassCapture(pass int64, kind int, stream int64) (seq int, err error) {
 // reference stays with the pass. Harmless when nothing is open.
 func AbortPassCapture(pass int64, kind int, stream int64) (ok bool, err error) {
 	defer recoverPanic("abort_pass_capture", &err)
-	return done(opErr("abort_pass_capture", passes.AbortCapture(pass, state.Kind(kind), stream)))
+	return done(opErr("abort_pass_capture", passes.AbortCapture(pass, state.GraphKind(kind), stream)))
 }
 
 // SealPass moves pass from "building" to "ready".
@@ -53,7 +53,7 @@ func SealPass(pass int64) (ok bool, err error) {
 // leak a string on every call.
 func Replay(pass int64, kind int, stream int64) (launched bool, err error) {
 	defer recoverPanic("replay", &err)
-	return passes.Replay(pass, state.Kind(kind), stream)
+	return passes.Replay(pass, state.GraphKind(kind), stream)
 }
 
 // OrderReplay orders stream for pass's next replay of kind without
@@ -64,7 +64,7 @@ func Replay(pass int64, kind int, stream int64) (launched bool, err error) {
 // replay reports why).
 func OrderReplay(pass int64, kind int, stream int64) (ordered bool, err error) {
 	defer recoverPanic("order_replay", &err)
-	return passes.Order(pass, state.Kind(kind), stream)
+	return passes.Order(pass, state.GraphKind(kind), stream)
 }
 
 // PassState returns "building", "ready" or "reset".
@@ -81,7 +81,7 @@ func PassState(pass int64) (s string, err error) {
 // or reset).
 func PassGraph(pass int64, kind int) (graph int64, err error) {
 	defer recoverPanic("pass_graph", &err)
-	return passes.Graph(pass, state.Kind(kind))
+	return passes.Graph(pass, state.GraphKind(kind))
 }
 
 // ResetPass destroys every graph pass owns (aborting a capture left open),

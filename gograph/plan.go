@@ -13,6 +13,7 @@ import (
 	"github.com/gograph/gograph/internal/lifetime"
 	"github.com/gograph/gograph/internal/memplan"
 	"github.com/gograph/gograph/internal/schedule"
+	"github.com/gograph/gograph/internal/wire"
 )
 
 // PlanSchedule validates a schedule, expands it into warmup/capture steps
@@ -66,15 +67,17 @@ func PlanSteps(plan int64) (steps string, err error) {
 	return p.Encode(), nil
 }
 
-// PlanWarmup returns plan's warmup program for iters iterations, one
-// "op K pass" line per op (f forward, b backward, w weight gradient, x the
-// pass's warmup outputs die), after a first line "pool 1" when warmup
-// allocates in the build's graph pool ("pool 0" otherwise). The default
+// PlanWarmup returns plan's warmup program for iters iterations: a header
+// "warmup v1 pool=1" when warmup allocates in the build's graph pool
+// ("pool=0" otherwise), then one "op K pass" line per op (f forward, b
+// backward, w weight gradient, x the pass's warmup outputs die, y they die
+// if none requires grad, g its zero incoming grads die). The default
 // schedule warms up per callable (torch's loop) unless capture-time hooks
 // are given, which need the schedule's order (TransformerEngine's), or the
 // callables make the whole training step (wholeStep) and the pool is the
 // build's own (ownPool): then in the schedule's order, in the graph pool
-// (lifetime.ChooseWarmup says why).
+// (lifetime.ChooseWarmup says why). Zero incoming grads serve one pass's
+// consecutive iterations unless hooks could write them (lifetime.ZeroGrads).
 func PlanWarmup(plan int64, iters int, hooks, wholeStep, ownPool bool) (program string, err error) {
 	defer recoverPanic("plan_warmup", &err)
 	p, err := store.Get(plan)
@@ -85,40 +88,50 @@ func PlanWarmup(plan int64, iters int, hooks, wholeStep, ownPool bool) (program 
 		return "", fmt.Errorf("plan_warmup: %d iterations", iters)
 	}
 	mode := lifetime.ChooseWarmup(p, hooks, wholeStep, ownPool)
-	pool := "pool 0\n"
+	pool := "pool=0"
 	if mode.InPool {
-		pool = "pool 1\n"
+		pool = "pool=1"
 	}
-	return pool + lifetime.EncodeOps(lifetime.Warmup(p, iters, mode.PerCallable)), nil
+	ops := lifetime.ZeroGrads(lifetime.Warmup(p, iters, mode.PerCallable), !hooks)
+	return wire.Warmup.Header(pool) + lifetime.EncodeOps(ops), nil
 }
 
 // PlanCapture returns plan's capture program from what warmup learned
-// (facts, lifetime.ParseFacts's format): the capture ops with every release
-// point, where each static buffer comes from and how each parameter grad
-// reaches .grad (lifetime.Program.Encode's format). reuse shares static
-// buffers by liveness, chain chains consecutive layers' buffers, release
-// hands dead pool buffers back to the pool (an engine with device pools).
+// (facts: a "facts v1" header, then lifetime.ParseFacts's lines): a
+// "program v1" header, then the capture ops with every release point, where
+// each static buffer comes from, how each parameter grad reaches .grad and
+// which lent grads each graph may overwrite (lifetime.Program.Encode's
+// format). reuse shares static buffers by liveness, chain chains
+// consecutive layers' buffers, release hands dead pool buffers back to the
+// pool (an engine with device pools). The program stays with the plan
+// (PlanMemory reads it).
 func PlanCapture(plan int64, facts string, reuse, chain, release bool) (program string, err error) {
 	defer recoverPanic("plan_capture", &err)
-	_, prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
 	if err != nil {
 		return "", fmt.Errorf("plan_capture: %w", err)
 	}
-	return prog.Encode(), nil
+	if err := store.SetProgram(plan, prog); err != nil {
+		return "", fmt.Errorf("plan_capture: %w", err)
+	}
+	return wire.Program.Header() + prog.Encode(), nil
 }
 
 // captureProgram plans the captures of plan from facts.
-func captureProgram(plan int64, facts string, opt lifetime.Options) (*schedule.Plan, *lifetime.Program, error) {
+func captureProgram(plan int64, facts string, opt lifetime.Options) (*lifetime.Program, error) {
 	p, err := store.Get(plan)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	f, err := lifetime.ParseFacts(facts, p.Passes)
+	_, body, err := wire.Facts.Body(facts)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	prog, err := lifetime.Capture(p, f, opt)
-	return p, prog, err
+	f, err := lifetime.ParseFacts(body, p.Passes)
+	if err != nil {
+		return nil, err
+	}
+	return lifetime.Capture(p, f, opt)
 }
 
 // FreePlan forgets plan; it reports whether the handle was known (freeing
@@ -133,20 +146,25 @@ func FreePlan(plan int64) (known bool, err error) {
 func LivePlans() int { return store.Live() }
 
 // PlanMemory predicts the memory of plan's build before anything is
-// captured: the capture program PlanCapture returns for the same facts and
-// options, run over what one eager warmup iteration allocated (trace,
-// memplan.ParseTrace's format) through a model of the caching allocator.
-// It returns memplan.Result.Encode's text: the seed segment the build
-// carves before its captures (memplan.ChooseSeed; 0 when none makes the pool
-// smaller), the pool's reserved bytes, peak and live allocation and
-// segments, the warmup's own peak, and the pool after each capture op.
-func PlanMemory(plan int64, facts string, reuse, chain, release bool, trace string) (prediction string, err error) {
+// captured: the capture program PlanCapture planned for it, run over what
+// one eager warmup iteration allocated (trace: a "trace v1" header, then
+// memplan.ParseTrace's lines) through a model of the caching allocator. It
+// returns a "prediction v1" header, then memplan.Result.Encode's text: the
+// seed segment the build carves before its captures (memplan.ChooseSeed; 0
+// when none makes the pool smaller), the pool's reserved bytes, peak and
+// live allocation and segments, the warmup's own peak, and the pool after
+// each capture op.
+func PlanMemory(plan int64, trace string) (prediction string, err error) {
 	defer recoverPanic("plan_memory", &err)
-	p, prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	p, prog, err := store.Program(plan)
 	if err != nil {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}
-	tr, err := memplan.ParseTrace(trace, p.Passes)
+	_, body, err := wire.Trace.Body(trace)
+	if err != nil {
+		return "", fmt.Errorf("plan_memory: %w", err)
+	}
+	tr, err := memplan.ParseTrace(body, p.Passes)
 	if err != nil {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}
@@ -154,5 +172,5 @@ func PlanMemory(plan int64, facts string, reuse, chain, release bool, trace stri
 	if err != nil {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}
-	return res.Encode(), nil
+	return wire.Prediction.Header() + res.Encode(), nil
 }

@@ -53,26 +53,28 @@ func TestPlanScheduleOrdered(t *testing.T) {
 
 func TestPlanWarmupAndCapture(t *testing.T) {
 	h := planOf(t, "", "", 2, 2, true, 2)
-	perCallable, inOrder := "op f 0\nop b 0\nop x 0\nop f 1\nop b 1\nop x 1\n", "op f 0\nop y 0\nop f 1\nop b 1\nop x 1\nop b 0\nop x 0\n"
+	perCallable := "op f 0\nop b 0\nop x 0\nop g 0\nop f 1\nop b 1\nop x 1\nop g 1\n"
+	inOrder := "op f 0\nop y 0\nop f 1\nop b 1\nop x 1\nop g 1\nop b 0\nop x 0\nop g 0\n"
 	for _, tc := range []struct {
 		name                      string
 		hooks, wholeStep, ownPool bool
 		want                      string
 	}{
-		{"torch's loop", false, false, true, "pool 0\n" + perCallable},
-		{"capture-time hooks: the schedule's order", true, false, true, "pool 0\n" + inOrder},
-		{"the whole step in a pool of its own: in order, in the pool", false, true, true, "pool 1\n" + inOrder},
-		{"the whole step in a pool passed in: torch's loop", false, true, false, "pool 0\n" + perCallable},
-		{"the whole step with hooks: on the side stream", true, true, true, "pool 0\n" + inOrder},
+		{"torch's loop", false, false, true, "warmup v1 pool=0\n" + perCallable},
+		{"capture-time hooks: the schedule's order", true, false, true, "warmup v1 pool=0\n" + inOrder},
+		{"the whole step in a pool of its own: in order, in the pool", false, true, true, "warmup v1 pool=1\n" + inOrder},
+		{"the whole step in a pool passed in: torch's loop", false, true, false, "warmup v1 pool=0\n" + perCallable},
+		{"the whole step with hooks: on the side stream", true, true, true, "warmup v1 pool=0\n" + inOrder},
 	} {
 		got, err := PlanWarmup(h, 1, tc.hooks, tc.wholeStep, tc.ownPool)
 		if err != nil || got != tc.want {
 			t.Errorf("%s: warmup = %q, %v; want %q", tc.name, got, err, tc.want)
 		}
 	}
-	facts := "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 1 1\npass 1 1 0 1 -1 -1\nin 1 1 1 1 1\nout 1 1 1\n"
+	facts := "facts v1\npass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 1 1\npass 1 1 0 1 -1 -1\nin 1 1 1 1 1\nout 1 1 1\n"
 	got, err := PlanCapture(h, facts, false, true, true)
-	want := "op F 0\nop F 1\nop B 1\nop X 1\nop B 0\nop X 0\nop R d 1 0\nin 1 0 c 0 0\ngout 0 0 c 1 0\nslots 0\n"
+	want := "program v1\nop F 0\nop F 1\nop B 1\nop X 1\nop B 0\nop X 0\nop R d 1 0\nop H -1\n" +
+		"lent F 0 8\nlent F 1 8\nlent B 1 8\nlent B 0 8\nin 1 0 c 0 0\ngout 0 0 c 1 0\nslots 0\n"
 	if err != nil || got != want {
 		t.Errorf("chained capture =\n%s, %v\nwant\n%s", got, err, want)
 	}
@@ -82,8 +84,10 @@ func TestPlanWarmupAndCapture(t *testing.T) {
 		want  string
 	}{
 		{0, "", "plan_capture: unknown plan handle 0"},
-		{h, "in 7 0 0 0 0", "plan_capture: facts line 0"},
-		{h, "pass 0 0 1 0 -1 -1", "plan_capture: pass 0 has a weight-gradient graph but no backward graph"},
+		{h, "pass 0 1 0 1 -1 -1\n", `plan_capture: facts: the text starts with "pass 0 1 0 1 -1 -1", not the header "facts v1"`},
+		{h, "facts v2\n", `plan_capture: facts: the text starts with "facts v2"`},
+		{h, "facts v1\nin 7 0 0 0 0", "plan_capture: facts line 0"},
+		{h, "facts v1\npass 0 0 1 0 -1 -1", "plan_capture: pass 0 has a weight-gradient graph but no backward graph"},
 	} {
 		if _, err := PlanCapture(bad.plan, bad.facts, true, false, false); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
 			t.Errorf("PlanCapture(%d, %q): %v, want %q", bad.plan, bad.facts, err, bad.want)
@@ -116,24 +120,30 @@ func TestPlanHandles(t *testing.T) {
 
 func TestPlanMemory(t *testing.T) {
 	h := planOf(t, "", "", 1, 1, true, 1)
-	facts := "pass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n"
-	trace := "step 0 f 0\na 1 67108864 0\na 2 67108864 0\nstep 1 b 0\nr 1 1\na 3 67108864 1\nstep 2 x 0\nr 2 -1\nr 3 -1\nout 0 0 2\ngrad 0 0 3\n"
-	got, err := PlanMemory(h, facts, false, false, true, trace)
-	if err != nil || !strings.HasPrefix(got, "seed 0\npool 134217728 134217728 134217728 2\nwarmup 134217728 134217728 0\nop F 0 134217728 134217728\n") {
+	facts := "facts v1\npass 0 1 0 1 -1 -1\nin 0 0 1 1 1\nout 0 0 1\n"
+	trace := "trace v1\nstep 0 f 0\na 1 67108864 0\na 2 67108864 0\nstep 1 b 0\nr 1 1\na 3 67108864 1\nstep 2 x 0\nr 2 -1\nr 3 -1\nout 0 0 2\ngrad 0 0 3\n"
+	if _, err := PlanMemory(h, trace); err == nil || !strings.Contains(err.Error(), "plan_memory: plan handle 1") && !strings.Contains(err.Error(), "no capture program yet") {
+		t.Errorf("PlanMemory before PlanCapture: %v", err)
+	}
+	if _, err := PlanCapture(h, facts, false, false, true); err != nil {
+		t.Fatal(err)
+	}
+	got, err := PlanMemory(h, trace)
+	if err != nil || !strings.HasPrefix(got, "prediction v1\nseed 0\npool 134217728 134217728 134217728 2\nwarmup 134217728 134217728 0\nop F 0 134217728 134217728\n") {
 		t.Errorf("PlanMemory = %q, %v", got, err)
 	}
 	for _, bad := range []struct {
-		plan         int64
-		facts, trace string
-		want         string
+		plan  int64
+		trace string
+		want  string
 	}{
-		{0, facts, trace, "plan_memory: unknown plan handle 0"},
-		{h, "in 7 0 0 0 0", trace, "plan_memory: facts line 0"},
-		{h, facts, "a 1 1 5", "plan_memory: trace line 1"},
-		{h, facts, "a 1 1 -1\na 1 1 -1", "plan_memory: warmup: allocsim: allocation 1 is already live"},
+		{0, trace, "plan_memory: unknown plan handle 0"},
+		{h, "step 0 f 0\n", `plan_memory: trace: the text starts with "step 0 f 0", not the header "trace v1"`},
+		{h, "trace v1\na 1 1 5", "plan_memory: trace line 1"},
+		{h, "trace v1\na 1 1 -1\na 1 1 -1", "plan_memory: warmup: allocsim: allocation 1 is already live"},
 	} {
-		if _, err := PlanMemory(bad.plan, bad.facts, false, false, true, bad.trace); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
-			t.Errorf("PlanMemory(%d, %q, %q): %v, want %q", bad.plan, bad.facts, bad.trace, err, bad.want)
+		if _, err := PlanMemory(bad.plan, bad.trace); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
+			t.Errorf("PlanMemory(%d, %q): %v, want %q", bad.plan, bad.trace, err, bad.want)
 		}
 	}
 }

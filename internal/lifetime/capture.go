@@ -11,6 +11,9 @@ import (
 // (facts, one per pass): the ops in order with every release point, where
 // each static buffer comes from, and how each parameter grad reaches .grad.
 //
+// The program ends with ReturnWarmupPool, and says for every captured graph
+// which lent parameter grads its replay may overwrite (lentOverwrites).
+//
 // Release points on every schedule:
 //
 //   - a forward's capture-time outputs die once its backward is captured,
@@ -21,12 +24,16 @@ import (
 //     backward and any chained consumer's backward; a user input's grad
 //     after the backward that consumes it (the chained producer's, or, in
 //     an _order with Reuse, the pass TransformerEngine assumes); a
-//     transient parameter grad after its own backward.
+//     transient parameter grad after the graph that writes it (its
+//     weight-gradient graph where it has one). What a delayed weight-gradient
+//     graph reads (its pass's inputs, incoming grads) lives until its step in
+//     an _order, and is never released in the default schedule, where
+//     backward_dw() runs whenever the caller says.
 func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 	if err := checkFacts(p, facts); err != nil {
 		return nil, err
 	}
-	at := stepsOf(p)
+	at := readSteps(p, facts)
 	prog := newProgram(facts)
 	if opt.Chain {
 		chain(p, facts, prog)
@@ -46,9 +53,13 @@ func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 		compareTE(p, bufs, facts, prog.Sigs)
 	}
 	gradPolicies(p, facts, prog, at, opt)
-	if err := captureOps(p, facts, prog, bufs); err != nil {
+	if err := captureOps(p, facts, prog, bufs, at); err != nil {
 		return nil, err
 	}
+	// Warmup's (or the seed's) reference on the pool goes back once every
+	// capture holds its own: after the last op, as no capture follows.
+	prog.Ops = append(prog.Ops, Op{Kind: ReturnWarmupPool, Pass: NoPass})
+	lentOverwrites(facts, prog)
 	return prog, nil
 }
 
@@ -298,8 +309,8 @@ func outputBuffers(facts []Facts, pass, fw, bw int, readers map[int][]int, at st
 		uses := []int{fw, bw}
 		for _, r := range readers[k] { // a chained consumer reads it in its forward and may in its backward
 			uses = append(uses, at.fwd(r))
-			if facts[r].Backward {
-				uses = append(uses, at.bwd(r))
+			if facts[r].Backward { // its weight-gradient graph reads the saved input too
+				uses = append(uses, at.bwd(r), at.wgrad(r))
 			}
 		}
 		b.span(uses...)
@@ -318,11 +329,11 @@ func gradInputBuffers(p *schedule.Plan, f Facts, prog *Program, pass, bw int, at
 	if bw < 0 {
 		return nil
 	}
-	consumers := map[int]int{} // input leaf -> step of its consumer
+	consumers := map[int]int{} // input leaf -> the last step of its consumer that reads it
 	for q, row := range prog.GradOutputs {
 		for _, s := range row {
-			if s.Kind == Chained && s.Pass == pass {
-				consumers[s.Index] = at.bwd(q)
+			if s.Kind == Chained && s.Pass == pass { // a weight-gradient graph reads its incoming grads
+				consumers[s.Index] = max(at.bwd(q), at.wgrad(q))
 			}
 		}
 	}
@@ -343,7 +354,11 @@ func gradInputBuffers(p *schedule.Plan, f Facts, prog *Program, pass, bw int, at
 		}
 		b := &buffer{role: GradInput, pass: pass, index: j, sig: in.Sig, slot: -1}
 		b.span(bw, c)
-		b.release = b.last
+		if c < len(p.Steps) { // read by a backward_dw() that runs whenever the caller says: kept
+			b.release = b.last
+		} else {
+			b.release = -1
+		}
 		bufs = append(bufs, b)
 	}
 	return bufs
@@ -408,18 +423,18 @@ func gradPolicies(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt 
 
 // captureOps emits the capture ops in schedule order, each step followed by
 // the releases that fall after it.
-func captureOps(p *schedule.Plan, facts []Facts, prog *Program, bufs []*buffer) error {
+func captureOps(p *schedule.Plan, facts []Facts, prog *Program, bufs []*buffer, at steps) error {
 	releases := map[int][]Op{}
 	for _, b := range bufs {
 		if !b.role.Slotted() && b.release >= 0 {
 			releases[b.release] = append(releases[b.release], Op{Kind: Release, Pass: b.pass, Role: b.role, Index: b.index})
 		}
 	}
-	at := stepsOf(p)
 	for pass, f := range facts {
 		for i, g := range f.ParamGrads {
 			if prog.GradPolicy[pass][i] == GradTransient {
-				s := at.bwd(pass)
+				// the graph that writes them: the weight-gradient graph where there is one
+				s := max(at.bwd(pass), at.wgrad(pass))
 				releases[s] = append(releases[s], Op{Kind: Release, Pass: pass, Role: ParamGrad, Index: g.Index})
 			}
 		}

@@ -136,25 +136,29 @@ func TestCaptureReleasePoints(t *testing.T) {
 		want  string
 	}{
 		{"default schedule: capture-time outputs die at their backward", three, layer(three, 0), Options{},
-			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0"},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0 | H -1"},
 		{"a pool buffer is released only when the plan says so", three, layer(three, 0), Options{Release: true},
-			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0"},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0 | H -1"},
 		{"default schedule, a delayed weight gradient follows its backward", three, wgradFacts, Options{},
-			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | W 1 | B 0 | X 0"},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | W 1 | B 0 | X 0 | H -1"},
 		{"inference: capture-time outputs die at once", inference, []Facts{{}, {}}, Options{},
-			"F 0 | X 0 | F 1 | X 1"},
+			"F 0 | X 0 | F 1 | X 1 | H -1"},
 		{"a forward without backward graph drops its outputs at once", three, noGradOut, Options{},
-			"F 0 | F 1 | X 1 | F 2 | B 2 | X 2 | B 0 | X 0"},
+			"F 0 | F 1 | X 1 | F 2 | B 2 | X 2 | B 0 | X 0 | H -1"},
 		{"chained default schedule: an edge's grad dies at the producer's backward", three, layer(three, 0), Options{Chain: true, Release: true},
-			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | R d 2 0 | B 0 | X 0 | R d 1 0"},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | R d 2 0 | B 0 | X 0 | R d 1 0 | H -1"},
+		{"chained, a delayed weight gradient: the grad it reads outlives every capture", three, wgradFacts, Options{Chain: true, Release: true},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | W 1 | B 0 | X 0 | R d 1 0 | H -1"},
+		{"reuse, a delayed weight gradient: its parameter grads stay (backward_dw() writes them whenever)", three, wgradFacts, Options{Reuse: true, Release: true},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | R o 2 0 | R p 2 1 | B 1 | X 1 | W 1 | R o 1 0 | B 0 | X 0 | R o 0 0 | R p 0 1 | H -1"},
 		{"chained without a device pool: nothing to hand back", three, layer(three, 0), Options{Chain: true},
-			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0"},
+			"F 0 | F 1 | F 2 | B 2 | X 2 | B 1 | X 1 | B 0 | X 0 | H -1"},
 		{"_order with reuse: outputs and parameter grads at their backward, input grads at their consumer", te, layer(te), Options{Reuse: true, Release: true},
 			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | R p 3 1 | B 2 | X 2 | R o 2 0 | R p 2 1 | R d 3 0 | " +
-				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0"},
+				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0 | H -1"},
 		{"_order chained with reuse: outputs live until the consumer's backward", te, layer(te), Options{Reuse: true, Chain: true, Release: true},
 			"F 0 | F 1 | F 2 | F 3 | B 3 | X 3 | R o 3 0 | R p 3 1 | B 2 | X 2 | R o 2 0 | R p 2 1 | R d 3 0 | " +
-				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0"},
+				"B 1 | X 1 | R o 1 0 | R p 1 1 | B 0 | X 0 | R o 0 0 | R p 0 1 | R d 1 0 | R d 2 0 | H -1"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -412,7 +416,7 @@ func TestWeightGradientKeepsInputsLive(t *testing.T) {
 	if prog.Inputs[0][0].Slot == prog.Inputs[1][0].Slot {
 		t.Error("pass 1's input took the slot pass 0's weight gradient still reads")
 	}
-	if got := ops(t, prog.Ops); got != "F 0 | B 0 | X 0 | F 1 | W 0 | B 1 | X 1 | W 1" {
+	if got := ops(t, prog.Ops); got != "F 0 | B 0 | X 0 | F 1 | W 0 | B 1 | X 1 | W 1 | H -1" {
 		t.Errorf("ops %s", got)
 	}
 }
@@ -491,7 +495,8 @@ func TestEncode(t *testing.T) {
 	prog := mustCapture(t, p, facts, Options{Reuse: true, Chain: true, Release: true})
 	// One layer, two microbatches: nothing to chain; slots as with reuse alone; both
 	// parameter grads transient (released after their backward).
-	want := "op F 0\nop B 0\nop X 0\nop R o 0 0\nop R p 0 1\nop F 1\nop B 1\nop X 1\nop R d 0 0\nop R o 1 0\nop R p 1 1\n" +
+	want := "op F 0\nop B 0\nop X 0\nop R o 0 0\nop R p 0 1\nop F 1\nop B 1\nop X 1\nop R d 0 0\nop R o 1 0\nop R p 1 1\nop H -1\n" +
+		"lent F 0 12\nlent B 0 12\nlent F 1 12\nlent B 1 12\n" +
 		"in 0 0 s 0\nin 1 0 s 0\ngout 0 0 s 1\ngout 1 0 s 1\ngrad 0 0 t\ngrad 1 0 t\nsig 0 4 2 2\nslots 2\n"
 	if got := prog.Encode(); got != want {
 		t.Errorf("Encode:\n%s\nwant\n%s", got, want)

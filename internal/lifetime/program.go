@@ -14,7 +14,11 @@ const (
 	WarmForward  OpKind = 'f' // run the pass's forward eagerly
 	WarmBackward OpKind = 'b' // run its backward on the outputs of its latest warmup forward
 	WarmWGrad    OpKind = 'w' // run its delayed weight-gradient work
-	DropWarm     OpKind = 'x' // its warmup outputs die (and the grads made for them)
+	DropWarm     OpKind = 'x' // its warmup outputs die
+	// DropZeroGrads: the zero incoming grads made for its warmup backwards
+	// die. Without capture-time hooks (which could write them) one pass's
+	// zero grads serve its consecutive iterations: autograd only reads them.
+	DropZeroGrads OpKind = 'g'
 	// DropInference: its warmup outputs die here when none of them requires
 	// grad: the pass turned out to have no backward (an eval module or
 	// inputs and parameters that need no grad), which only its first forward
@@ -26,7 +30,15 @@ const (
 	CaptureWGrad    OpKind = 'W' // capture its weight-gradient graph
 	DropCapture     OpKind = 'X' // its capture-time outputs (with their autograd graph) die
 	Release         OpKind = 'R' // a pool buffer of the pass dies: hand it back to the pool
+	// ReturnWarmupPool: the pool reference the build's warmup (in the graph
+	// pool) or its pool seed took goes back: the captures hold theirs now,
+	// and a pool whose last reference went cannot be captured into again.
+	// Pass is NoPass.
+	ReturnWarmupPool OpKind = 'H'
 )
+
+// NoPass is the Pass of an op that belongs to no pass (ReturnWarmupPool).
+const NoPass = -1
 
 // Op is one instruction. Role and Index name the buffer of a Release: output
 // k (Role Output), the grad of user input leaf j (GradInput) or the
@@ -77,6 +89,12 @@ type Program struct {
 	GradPolicy  [][]GradPolicy // [pass][ParamGrads entry]
 	Sigs        map[int]*SigStats
 	Slots       int
+	// LentFrom[i], for a capture op i (F, B or W), is the first op index
+	// from which capturing a lending backward (LentOverwrites) makes its
+	// lent parameter grads memory the graph of op i may overwrite at
+	// replay; len(Ops) when no lending backward of this build is. Not set
+	// (-1) for other ops.
+	LentFrom []int
 }
 
 // Encode renders the program in the text form Python reads once per build:
@@ -88,10 +106,16 @@ type Program struct {
 //	grad pass entry c|l|t    the policy of pass's ParamGrads[entry]
 //	sig S buffers slots tefifo
 //	slots N
+//	lent K pass from         the graph of op K (pass's) overwrites grads lent by backwards captured from op "from" on
 func (p *Program) Encode() string {
 	var b strings.Builder
 	for _, o := range p.Ops {
 		fmt.Fprintf(&b, "op %s\n", o)
+	}
+	for i, from := range p.LentFrom {
+		if from >= 0 {
+			fmt.Fprintf(&b, "lent %c %d %d\n", byte(p.Ops[i].Kind), p.Ops[i].Pass, from)
+		}
 	}
 	writeSources(&b, "in", p.Inputs)
 	writeSources(&b, "gout", p.GradOutputs)

@@ -39,6 +39,25 @@ func stepsOf(p *schedule.Plan) steps {
 	return at
 }
 
+// readSteps is stepsOf with, for the default schedule (which has no
+// weight-gradient steps), a pass's delayed weight-gradient graph placed
+// after every step: the caller runs backward_dw() whenever it likes, after
+// any replay of the step (TransformerEngine calls it after loss.backward()),
+// so what that graph reads -- the pass's saved inputs and incoming grads --
+// must outlive every other graph's captures.
+func readSteps(p *schedule.Plan, facts []Facts) steps {
+	at := stepsOf(p)
+	if p.Ordered {
+		return at
+	}
+	for pass, f := range facts {
+		if f.WGrad && f.Backward {
+			at[pass][2] = len(p.Steps)
+		}
+	}
+	return at
+}
+
 func (at steps) fwd(pass int) int   { return at[pass][0] }
 func (at steps) bwd(pass int) int   { return at[pass][1] }
 func (at steps) wgrad(pass int) int { return at[pass][2] }

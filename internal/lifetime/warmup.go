@@ -101,3 +101,32 @@ func Warmup(p *schedule.Plan, iters int, perCallable bool) []Op {
 	}
 	return ops
 }
+
+// ZeroGrads adds to a warmup program the points where each pass's zero
+// incoming grads die (DropZeroGrads): the executor makes a zero grad per
+// output requiring grad for a warmup backward and, with reuse, keeps them
+// for the pass's next backward while nothing else runs in between (its
+// next iteration follows at once, as in torch's per-callable loop);
+// autograd only reads them. Without reuse (capture-time hooks, which could
+// write them) they die after every backward's DropWarm. They die at the
+// latest with the pass's last DropWarm.
+func ZeroGrads(ops []Op, reuse bool) []Op {
+	backward := map[int]bool{}
+	for _, o := range ops {
+		if o.Kind == WarmBackward {
+			backward[o.Pass] = true
+		}
+	}
+	out := make([]Op, 0, len(ops)+len(backward))
+	for i, o := range ops {
+		out = append(out, o)
+		if o.Kind != DropWarm || !backward[o.Pass] {
+			continue
+		}
+		if reuse && i+1 < len(ops) && ops[i+1].Pass == o.Pass {
+			continue // its next iteration follows: the same zeros serve it
+		}
+		out = append(out, Op{Kind: DropZeroGrads, Pass: o.Pass})
+	}
+	return out
+}

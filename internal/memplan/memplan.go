@@ -34,7 +34,7 @@ type Event struct {
 
 // Step is one recorded warmup op.
 type Step struct {
-	Kind lifetime.OpKind // WarmForward, WarmBackward, WarmWGrad, DropWarm or DropInference
+	Kind lifetime.OpKind // a warmup op: WarmForward, WarmBackward, WarmWGrad, DropWarm, DropInference or DropZeroGrads
 	Pass int
 }
 
@@ -51,7 +51,7 @@ type Trace struct {
 
 // ParseTrace parses a trace as Python sends it, one item per line:
 //
-//	step I K P       warmup op I is K (f b w x) of pass P
+//	step I K P       warmup op I is K (f b w x y g) of pass P
 //	a ID BYTES I     block ID allocated during op I (-1: between ops)
 //	r ID I           block ID freed during op I
 //	out P K ID       output K of pass P is block ID
@@ -84,8 +84,8 @@ func (tr *Trace) parseLine(f []string, passes int) error {
 	if f[0] == "step" {
 		i, err1 := strconv.Atoi(f[1])
 		p, err2 := strconv.Atoi(f[3])
-		if err1 != nil || err2 != nil || i != len(tr.Steps) || p < 0 || p >= passes || len(f[2]) != 1 || !strings.Contains("fbwxy", f[2]) {
-			return fmt.Errorf("step %d must be numbered %d, of kind f, b, w, x or y, for a pass in [0, %d)", i, len(tr.Steps), passes)
+		if err1 != nil || err2 != nil || i != len(tr.Steps) || p < 0 || p >= passes || len(f[2]) != 1 || !strings.Contains("fbwxyg", f[2]) {
+			return fmt.Errorf("step %d must be numbered %d, of kind f, b, w, x, y or g, for a pass in [0, %d)", i, len(tr.Steps), passes)
 		}
 		tr.Steps = append(tr.Steps, Step{Kind: lifetime.OpKind(f[2][0]), Pass: p})
 		return nil
@@ -273,6 +273,8 @@ func (c *capture) run(op lifetime.Op, res *Result) error {
 			}
 		}
 		return nil
+	case lifetime.ReturnWarmupPool:
+		return nil // a pool reference: the model's pool has no reference count
 	case lifetime.Release:
 		key := [2]int{op.Pass, op.Index}
 		id, ok := c.tr.Grads[key]

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/gograph/gograph/internal/lifetime"
 	"github.com/gograph/gograph/internal/schedule"
 )
 
@@ -51,5 +52,28 @@ func TestStoreConcurrent(t *testing.T) {
 	wg.Wait()
 	if s.Live() != 0 {
 		t.Fatalf("Live = %d", s.Live())
+	}
+}
+
+func TestStoreProgram(t *testing.T) {
+	s := NewStore()
+	p, _ := schedule.Default(1, true)
+	h := s.Put(p)
+	if _, _, err := s.Program(h); err == nil || !strings.Contains(err.Error(), "no capture program yet") {
+		t.Fatalf("Program before planning: %v", err)
+	}
+	prog := &lifetime.Program{}
+	if err := s.SetProgram(h, prog); err != nil {
+		t.Fatal(err)
+	}
+	if gp, got, err := s.Program(h); gp != p || got != prog || err != nil {
+		t.Fatalf("Program = %v, %v, %v", gp, got, err)
+	}
+	s.Free(h)
+	if err := s.SetProgram(h, prog); err == nil || !strings.Contains(err.Error(), "unknown plan handle") {
+		t.Errorf("SetProgram after Free: %v", err)
+	}
+	if _, _, err := s.Program(h); err == nil {
+		t.Error("Program after Free")
 	}
 }

@@ -35,17 +35,17 @@ func invalidf(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalid, fmt.Sprintf(format, args...))
 }
 
-// Kind is what a step computes.
-type Kind byte
+// StepKind is what a step computes.
+type StepKind byte
 
 // Step kinds.
 const (
-	Forward  Kind = 'F'
-	Backward Kind = 'B'
-	WGrad    Kind = 'W' // delayed weight gradient
+	Forward  StepKind = 'F'
+	Backward StepKind = 'B'
+	WGrad    StepKind = 'W' // delayed weight gradient
 )
 
-func (k Kind) String() string {
+func (k StepKind) String() string {
 	switch k {
 	case Forward:
 		return "forward"
@@ -54,7 +54,7 @@ func (k Kind) String() string {
 	case WGrad:
 		return "weight-gradient"
 	}
-	return fmt.Sprintf("Kind(%q)", byte(k))
+	return fmt.Sprintf("StepKind(%q)", byte(k))
 }
 
 // Entry is one parsed _order entry.
@@ -62,7 +62,7 @@ type Entry struct {
 	Index int    // position in _order
 	Text  string // the entry as given
 	Chunk int    // 1-based chunk id (0 only in entries that fail validation)
-	Kind  Kind
+	Kind  StepKind
 }
 
 func (e Entry) String() string { return fmt.Sprintf("_order entry %d (%s)", e.Index, e.Text) }
@@ -187,7 +187,7 @@ type Spec struct {
 
 // Step is one warmup/capture step: one layer of one order entry.
 type Step struct {
-	Kind     Kind
+	Kind     StepKind
 	Pass     int // the graphed pass (TE's per-callable index)
 	Callable int // index into callables
 	Entry    int // the _order entry it expands (-1 in a default schedule)

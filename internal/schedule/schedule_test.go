@@ -214,12 +214,12 @@ func planInvariants(p *Plan, training bool) error {
 		if s.Pass < 0 || s.Pass >= p.Passes {
 			return fmt.Errorf("step %d: pass %d out of range", i, s.Pass)
 		}
-		k := map[Kind]int{Forward: 0, Backward: 1, WGrad: 2}[s.Kind]
+		k := map[StepKind]int{Forward: 0, Backward: 1, WGrad: 2}[s.Kind]
 		if seen[s.Pass][k] != 0 {
 			return fmt.Errorf("step %d: second %s of pass %d", i, s.Kind, s.Pass)
 		}
 		if k > 0 && seen[s.Pass][k-1] == 0 {
-			return fmt.Errorf("step %d: %s of pass %d before its %s", i, s.Kind, s.Pass, Kind("FBW"[k-1]))
+			return fmt.Errorf("step %d: %s of pass %d before its %s", i, s.Kind, s.Pass, StepKind("FBW"[k-1]))
 		}
 		seen[s.Pass][k] = i + 1
 		if p.Ordered {

@@ -31,7 +31,7 @@ import "fmt"
 // EndCapture or AbortCapture.
 type openCapture struct {
 	active bool
-	kind   Kind
+	kind   GraphKind
 	stream int64
 }
 
@@ -41,7 +41,7 @@ type openCapture struct {
 // have no graph of that kind yet and no capture open, and keep all its
 // graphs in one pool. On success one pool reference is counted on the pass
 // and the pool; on failure nothing changed.
-func (l *Ledger) BeginCapture(id int64, kind Kind, pool string, stream int64, mode int) error {
+func (l *Ledger) BeginCapture(id int64, kind GraphKind, pool string, stream int64, mode int) error {
 	if err := checkKind(kind); err != nil {
 		return err
 	}
@@ -68,7 +68,7 @@ func (l *Ledger) BeginCapture(id int64, kind Kind, pool string, stream int64, mo
 }
 
 // canBegin checks that a locked record may begin capturing kind in pool.
-func (p *record) canBegin(kind Kind, pool string) error {
+func (p *record) canBegin(kind GraphKind, pool string) error {
 	switch {
 	case p.Lifecycle == Reset:
 		return p.errReset()
@@ -108,7 +108,7 @@ func (l *Ledger) joinPool(p *record, pool string) {
 // recorded and returned (from 1; the replay-order guard orders replays by
 // it). On failure the driver's result is destroyed, nothing is attached and
 // the capture is closed; the pool reference stays with the pass.
-func (l *Ledger) EndCapture(id int64, kind Kind, stream int64) (int, error) {
+func (l *Ledger) EndCapture(id int64, kind GraphKind, stream int64) (int, error) {
 	p, err := l.lockOpen(id, kind, stream)
 	if err != nil {
 		return 0, err
@@ -135,7 +135,7 @@ func (l *Ledger) EndCapture(id int64, kind Kind, stream int64) (int, error) {
 // failed: the stream's capture is ended and whatever it produced destroyed.
 // The pool reference stays with the pass. Aborting when no capture of that
 // kind is open is not an error (a cleanup path may run twice).
-func (l *Ledger) AbortCapture(id int64, kind Kind, stream int64) error {
+func (l *Ledger) AbortCapture(id int64, kind GraphKind, stream int64) error {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return err
@@ -161,7 +161,7 @@ func (l *Ledger) abortOpen(p *record) error {
 }
 
 // lockOpen returns pass id locked when its open capture is kind on stream.
-func (l *Ledger) lockOpen(id int64, kind Kind, stream int64) (*record, error) {
+func (l *Ledger) lockOpen(id int64, kind GraphKind, stream int64) (*record, error) {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return nil, err

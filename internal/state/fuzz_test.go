@@ -28,7 +28,7 @@ func FuzzLifecycle(f *testing.F) {
 			graphs     [NumKinds]int64
 			refs       int
 			open       bool
-			openKind   Kind
+			openKind   GraphKind
 			openStream int64
 		}
 		fg := newFakeGraphs()
@@ -47,7 +47,7 @@ func FuzzLifecycle(f *testing.F) {
 		for i := 0; i+1 < len(data); i += 2 {
 			op, arg := data[i]%11, data[i+1]
 			s := int(arg % slots)
-			kind := Kind((arg / slots) % 4) // 3 is an unknown kind
+			kind := GraphKind((arg / slots) % 4) // 3 is an unknown kind
 			p := &m[s]
 			totalLaunches := 0
 			for _, n := range fg.launches {

@@ -73,13 +73,13 @@ type poolOrder struct {
 }
 
 // knows reports whether the precise checker has graph kind of pass id.
-func (po *poolOrder) knows(id int64, kind Kind) bool {
+func (po *poolOrder) knows(id int64, kind GraphKind) bool {
 	return po.carve != nil && po.carve.Knows(recarve.Graph{Pass: id, Kind: int(kind)})
 }
 
 // SetRecarveSpec gives the precise checker what pass id's kind graph writes
 // and reads in its pool at every replay (recarve.ParseSpec's text).
-func (l *Ledger) SetRecarveSpec(id int64, kind Kind, spec string) error {
+func (l *Ledger) SetRecarveSpec(id int64, kind GraphKind, spec string) error {
 	if err := checkKind(kind); err != nil {
 		return err
 	}
@@ -110,7 +110,7 @@ func (l *Ledger) SetRecarveSpec(id int64, kind Kind, spec string) error {
 // buffers returned to the caller) that replaying pass id's kind graph
 // overwrites, as the precise checker knows them; none when it does not
 // know the graph.
-func (l *Ledger) RecarveClobbers(id int64, kind Kind) ([]recarve.Clobber, error) {
+func (l *Ledger) RecarveClobbers(id int64, kind GraphKind) ([]recarve.Clobber, error) {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return nil, err
@@ -130,17 +130,17 @@ func (l *Ledger) RecarveClobbers(id int64, kind Kind) ([]recarve.Clobber, error)
 // flight is an open pass: its replay chain started and has kinds to come.
 type flight struct {
 	id       int64
-	who      *record // for its name only: ID, CallableIndex and Label never change
-	lo, hi   int     // capture sequence of the opening kind and of the last kind
-	loKind   Kind    // the kind whose replay opened it
-	lastRun  Kind    // the latest kind replayed
-	pending  Kind    // the next kind in its chain
-	lastKind Kind    // the last kind of its chain
+	who      *record   // for its name only: ID, CallableIndex and Label never change
+	lo, hi   int       // capture sequence of the opening kind and of the last kind
+	loKind   GraphKind // the kind whose replay opened it
+	lastRun  GraphKind // the latest kind replayed
+	pending  GraphKind // the next kind in its chain
+	lastKind GraphKind // the last kind of its chain
 }
 
 // addToChain inserts kind, just recorded, into p's chain of kinds in capture
 // order (kept on the record so that the replay check allocates nothing).
-func (p *record) addToChain(kind Kind) {
+func (p *record) addToChain(kind GraphKind) {
 	i := p.nchain
 	for i > 0 && p.Seq[p.chain[i-1]] > p.Seq[kind] {
 		p.chain[i] = p.chain[i-1]
@@ -158,7 +158,7 @@ func (p *Pass) name() string {
 
 // recordSeq gives the locked record's kind, just captured, the next capture
 // sequence number of its pool (joined when its capture began) and returns it.
-func (p *record) recordSeq(kind Kind) int {
+func (p *record) recordSeq(kind GraphKind) int {
 	po := p.order
 	po.mu.Lock()
 	seq := po.next
@@ -171,7 +171,7 @@ func (p *record) recordSeq(kind Kind) int {
 
 // CaptureSeq returns the capture sequence number of pass id's kind in its
 // pool (0 when not recorded) and the pool key ("" when none).
-func (l *Ledger) CaptureSeq(id int64, kind Kind) (int, string, error) {
+func (l *Ledger) CaptureSeq(id int64, kind GraphKind) (int, string, error) {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return 0, "", err
@@ -249,7 +249,7 @@ func (l *Ledger) OrderState(pool string) string {
 // checkReplay is Replay's guard for a record with CheckOrder set (p locked):
 // it refuses a replay that could overwrite memory an open pass of the pool
 // still needs, and otherwise moves p's own chain along.
-func (po *poolOrder) checkReplay(p *record, kind Kind) error {
+func (po *poolOrder) checkReplay(p *record, kind GraphKind) error {
 	s := p.Seq[kind]
 	if s == 0 {
 		return nil // a kind attached without a recorded capture: nothing known
@@ -290,7 +290,7 @@ func (po *poolOrder) checkReplay(p *record, kind Kind) error {
 
 // check returns the violation replaying p's kind (capture s) would be, if any
 // (po locked).
-func (po *poolOrder) check(p *record, kind Kind, s int) error {
+func (po *poolOrder) check(p *record, kind GraphKind, s int) error {
 	for i := range po.open {
 		f := &po.open[i]
 		if f.id == p.ID || (f.lo < s && s < f.hi) {
@@ -306,7 +306,7 @@ func (po *poolOrder) check(p *record, kind Kind, s int) error {
 // buffers before a replay check first, so that a refused replay leaves them
 // untouched. Nil when the guard is off for the pass, the pass is not ready
 // (Replay reports that) or the kind's capture was not recorded.
-func (l *Ledger) CheckOrder(id int64, kind Kind) error {
+func (l *Ledger) CheckOrder(id int64, kind GraphKind) error {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return err
@@ -324,7 +324,7 @@ func (l *Ledger) CheckOrder(id int64, kind Kind) error {
 	return p.order.check(p, kind, s)
 }
 
-func (po *poolOrder) newFlight(p *record, chain []Kind, opened Kind) flight {
+func (po *poolOrder) newFlight(p *record, chain []GraphKind, opened GraphKind) flight {
 	last := chain[len(chain)-1]
 	return flight{
 		id: p.ID, who: p,
@@ -334,7 +334,7 @@ func (po *poolOrder) newFlight(p *record, chain []Kind, opened Kind) flight {
 }
 
 // next returns the kind after k in chain (k itself when it is the last).
-func next(chain []Kind, k Kind) Kind {
+func next(chain []GraphKind, k GraphKind) GraphKind {
 	for i, c := range chain {
 		if c == k && i+1 < len(chain) {
 			return chain[i+1]
@@ -385,7 +385,7 @@ func (po *poolOrder) close(id int64) bool {
 }
 
 // violation builds the error for replaying p's kind (capture s) while f is open.
-func (po *poolOrder) violation(p *Pass, kind Kind, s int, f *flight) error {
+func (po *poolOrder) violation(p *Pass, kind GraphKind, s int, f *flight) error {
 	other := f.who.name()
 	var why string
 	if s < f.lo {

@@ -11,7 +11,7 @@ import (
 // and kind. A replay step may instead discard (close) or reset the pass.
 type step struct {
 	pass string
-	kind Kind
+	kind GraphKind
 	op   string // "" replay, "discard", "reset"
 }
 
@@ -230,7 +230,7 @@ func TestPoolsAreIndependentAndSequencesPerPool(t *testing.T) {
 	fx.capture(t, "p2", []step{f("C"), b("C")})
 	for _, c := range []struct {
 		pass string
-		kind Kind
+		kind GraphKind
 		seq  int
 		pool string
 	}{{"A", Forward, 1, "p1"}, {"B", Backward, 3, "p1"}, {"A", Backward, 4, "p1"}, {"C", Forward, 1, "p2"}, {"C", Backward, 2, "p2"}, {"C", WGrad, 0, "p2"}} {

@@ -17,21 +17,21 @@ import (
 	"sync"
 )
 
-// Kind is what a graph of a pass computes.
-type Kind int
+// GraphKind is what a graph of a pass computes.
+type GraphKind int
 
 // Graph kinds.
 const (
-	Forward  Kind = 0
-	Backward Kind = 1
-	WGrad    Kind = 2 // delayed weight gradient (TransformerEngine's backward_dw)
+	Forward  GraphKind = 0
+	Backward GraphKind = 1
+	WGrad    GraphKind = 2 // delayed weight gradient (TransformerEngine's backward_dw)
 
 	NumKinds = 3
 )
 
-func (k Kind) valid() bool { return k >= 0 && k < NumKinds }
+func (k GraphKind) valid() bool { return k >= 0 && k < NumKinds }
 
-func (k Kind) String() string {
+func (k GraphKind) String() string {
 	switch k {
 	case Forward:
 		return "forward"
@@ -40,10 +40,10 @@ func (k Kind) String() string {
 	case WGrad:
 		return "wgrad"
 	}
-	return fmt.Sprintf("Kind(%d)", int(k))
+	return fmt.Sprintf("GraphKind(%d)", int(k))
 }
 
-func checkKind(k Kind) error {
+func checkKind(k GraphKind) error {
 	if !k.valid() {
 		return fmt.Errorf("unknown graph kind %d (want 0 forward, 1 backward or 2 wgrad)", int(k))
 	}
@@ -91,12 +91,12 @@ type Pass struct {
 	ID            int64
 	CallableIndex int
 	Label         string
-	Graphs        [NumKinds]int64 // graph handle by Kind; 0 = none or eager
+	Graphs        [NumKinds]int64 // graph handle by GraphKind; 0 = none or eager
 	Has           [NumKinds]bool  // whether a kind was attached (even with handle 0)
 	PoolRefs      int             // memory-pool references taken and not yet handed back
 	Lifecycle     Lifecycle
 	Pool          string        // key of the pool its captures were recorded in (order.go)
-	Seq           [NumKinds]int // capture sequence number in Pool by Kind; 0 = not recorded
+	Seq           [NumKinds]int // capture sequence number in Pool by GraphKind; 0 = not recorded
 	CheckOrder    bool          // the replay-order guard is on (order.go)
 	ResetErr      string        // why the last reset failed to destroy a graph ("" none)
 }
@@ -105,8 +105,8 @@ type Pass struct {
 type record struct {
 	mu sync.Mutex
 	Pass
-	order  *poolOrder     // capture order of Pool; nil until a capture begins
-	chain  [NumKinds]Kind // recorded kinds in capture order (order.go)
+	order  *poolOrder          // capture order of Pool; nil until a capture begins
+	chain  [NumKinds]GraphKind // recorded kinds in capture order (order.go)
 	nchain int
 	open   openCapture // the capture underway (capture.go)
 }
@@ -158,7 +158,7 @@ func (l *Ledger) lock(id int64) (*record, error) {
 
 // lockKind is lock for a call about one kind of graph: an unknown kind is
 // refused before any record is locked.
-func (l *Ledger) lockKind(id int64, kind Kind) (*record, error) {
+func (l *Ledger) lockKind(id int64, kind GraphKind) (*record, error) {
 	if err := checkKind(kind); err != nil {
 		return nil, err
 	}
@@ -203,7 +203,7 @@ func (l *Ledger) Seal(id int64) error {
 // must be Ready and have the kind; a handle of 0 launches nothing. It reports
 // whether a graph was launched. The record stays locked across the launch so
 // a concurrent reset cannot destroy the graph underneath it.
-func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
+func (l *Ledger) Replay(id int64, kind GraphKind, stream int64) (bool, error) {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return false, err
@@ -236,7 +236,7 @@ func (l *Ledger) Replay(id int64, kind Kind, stream int64) (bool, error) {
 // stream before the replay then runs after the previous replay of the
 // graphs sharing its capture stream. A pass that cannot replay kind, or has
 // no graph for it (eager), orders nothing: the replay reports why.
-func (l *Ledger) Order(id int64, kind Kind, stream int64) (bool, error) {
+func (l *Ledger) Order(id int64, kind GraphKind, stream int64) (bool, error) {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return false, err
@@ -263,7 +263,7 @@ func (l *Ledger) State(id int64) (Lifecycle, error) {
 
 // Graph returns the handle pass id holds for kind: 0 when the kind is absent,
 // eager, or the pass was reset (its graphs no longer exist).
-func (l *Ledger) Graph(id int64, kind Kind) (int64, error) {
+func (l *Ledger) Graph(id int64, kind GraphKind) (int64, error) {
 	p, err := l.lockKind(id, kind)
 	if err != nil {
 		return 0, err
@@ -307,7 +307,7 @@ func (l *Ledger) reset(p *record) (int, error) {
 		first = l.abortOpen(p)
 	}
 	var destroyed []int64
-	for k := Kind(0); k < NumKinds; k++ {
+	for k := GraphKind(0); k < NumKinds; k++ {
 		g := p.Graphs[k]
 		p.Graphs[k] = 0
 		if g == 0 {

@@ -136,7 +136,7 @@ func (f *fakeGraphs) check(t testing.TB) {
 // capture runs one successful capture transaction of pass id's kind in pool
 // on stream (0: eager, nothing captured) and returns the attached graph
 // handle and the capture's sequence number.
-func capture(t testing.TB, l *Ledger, id int64, kind Kind, pool string, stream int64) (int64, int) {
+func capture(t testing.TB, l *Ledger, id int64, kind GraphKind, pool string, stream int64) (int64, int) {
 	t.Helper()
 	if err := l.BeginCapture(id, kind, pool, stream, 0); err != nil {
 		t.Fatal(err)
@@ -153,7 +153,7 @@ func capture(t testing.TB, l *Ledger, id int64, kind Kind, pool string, stream i
 }
 
 // replayErr is Replay for tests that only look at the error.
-func replayErr(l *Ledger, id int64, k Kind, stream int64) error {
+func replayErr(l *Ledger, id int64, k GraphKind, stream int64) error {
 	_, err := l.Replay(id, k, stream)
 	return err
 }
@@ -190,7 +190,7 @@ func TestOrder(t *testing.T) {
 	}
 	must(t, l.Seal(id))
 	for _, tc := range []struct {
-		kind Kind
+		kind GraphKind
 		want bool
 	}{{Forward, true}, {Backward, false}, {WGrad, false}} {
 		if ordered, err := l.Order(id, tc.kind, 7); ordered != tc.want || err != nil {
@@ -204,7 +204,7 @@ func TestOrder(t *testing.T) {
 	_, err = l.Order(id, Forward, 7)
 	wantErr(t, err, `graphed callable 1 ("drop"): ordering the replay of its forward graph: boom`)
 	f.failLaunch = nil
-	_, err = l.Order(id, Kind(9), 7)
+	_, err = l.Order(id, GraphKind(9), 7)
 	if err == nil {
 		t.Fatal("Order of an unknown kind accepted")
 	}
@@ -243,7 +243,7 @@ func TestPassLifecycle(t *testing.T) {
 	if st, _ := l.State(id); st.String() != "ready" {
 		t.Fatalf("state = %v", st)
 	}
-	for _, k := range []Kind{Forward, Backward, Forward} {
+	for _, k := range []GraphKind{Forward, Backward, Forward} {
 		if launched, err := l.Replay(id, k, 7); !launched || err != nil {
 			t.Fatalf("Replay(%v) = %v, %v; want a launch", k, launched, err)
 		}
@@ -397,7 +397,7 @@ func TestErrors(t *testing.T) {
 		must(t, err)
 		return e
 	}
-	begin := func(e env, id int64, k Kind, pool string) error { return e.l.BeginCapture(id, k, pool, 0, 0) }
+	begin := func(e env, id int64, k GraphKind, pool string) error { return e.l.BeginCapture(id, k, pool, 0, 0) }
 	tests := []struct {
 		name string
 		do   func(env) error
@@ -441,13 +441,13 @@ func TestEagerPass(t *testing.T) {
 	f := newFakeGraphs()
 	l := NewLedger(f)
 	id, _ := l.NewPass(0, "eager")
-	for _, k := range []Kind{Forward, Backward} {
+	for _, k := range []GraphKind{Forward, Backward} {
 		if g, seq := capture(t, l, id, k, "eager/1", 0); g != 0 || seq != int(k)+1 {
 			t.Fatalf("eager capture of %v = graph %d, seq %d", k, g, seq)
 		}
 	}
 	must(t, l.Seal(id))
-	for _, k := range []Kind{Forward, Backward} {
+	for _, k := range []GraphKind{Forward, Backward} {
 		if launched, err := l.Replay(id, k, 0); launched || err != nil { // nothing to launch
 			t.Fatalf("Replay(%v) = %v, %v; want no launch", k, launched, err)
 		}
@@ -596,7 +596,7 @@ func TestConcurrent(t *testing.T) {
 			defer wg.Done()
 			for n := 0; n < 50; n++ {
 				for i, id := range ids {
-					err := replayErr(l, id, Kind((i+r)%2), 1)
+					err := replayErr(l, id, GraphKind((i+r)%2), 1)
 					if err != nil && !strings.Contains(err.Error(), "was reset") && !strings.Contains(err.Error(), "unknown pass") {
 						t.Error(err)
 						return

@@ -40,6 +40,7 @@ DISTRIBUTION = "torch-gograph"
 
 def _version() -> str:
     try:
+        # here, not at the top: only the version lookup needs it, and it may be missing (ImportError below)
         from importlib.metadata import PackageNotFoundError, version
 
         try:

@@ -2,9 +2,9 @@
 
 :func:`normalize` checks what needs no engine and no core (torch's and TransformerEngine's
 checks and messages, plus gograph's) and returns a frozen :class:`Request`; once the core has
-planned the schedule, :func:`pass_specs` gives one frozen :class:`PassSpec` per graphed pass,
-and :func:`check_for_engine` runs the checks that depend on the engine chosen. Nothing here
-calls an engine or the core.
+planned the schedule, :func:`pass_specs` gives one frozen :class:`PassSpec` per graphed pass
+(the checks that depend on the engine chosen are :mod:`gograph._fit`'s). Nothing here calls an
+engine or the core.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _te
+from . import _pool, _te
+from ._marks import GraphedMark
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._plan import Schedule
-    from .engines import Engine
 
 __all__ = [
     "GraphOptions",
     "PassSpec",
     "Request",
-    "check_for_engine",
     "label_of",
     "normalize",
     "pass_specs",
@@ -186,7 +185,7 @@ def normalize(
         just_one=just_one,
         num_warmup_iters=num_warmup_iters,
         allow_unused_input=bool(allow_unused_input),
-        pool=_pool_token(pool),
+        pool=_pool.check(pool),
         engine=options.get("engine"),
         order=tuple(order) if order is not None else None,
         layers=options.get("_num_layers_per_chunk"),
@@ -292,15 +291,13 @@ def _pool_or_sample_kwargs(pool: Any, options: Mapping[str, Any]) -> tuple[Any, 
     ``sample_kwargs`` in TransformerEngine's: a dict, or a sequence of dicts/None, is
     TransformerEngine's ``sample_kwargs``; a pool token or ``MemPool`` is torch's ``pool``."""
     if not _looks_like_sample_kwargs(pool):
-        if isinstance(pool, (str, bytes, int, float, list, dict)) or (
-            isinstance(pool, tuple) and not (len(pool) == 2 and all(type(x) is int for x in pool))
-        ):
+        try:
+            _pool.check(pool)
+        except TypeError as e:
             raise TypeError(
-                f"gograph: pool must be a token from gograph.graph_pool_handle() or "
-                f"torch.cuda.graph_pool_handle() (a pair of ints), or a torch.cuda.MemPool (torch's 5th "
-                f"positional argument, pool); TransformerEngine's 5th positional argument, sample_kwargs, is "
-                f"a dict or a sequence with one dict (or None) per callable. Got {pool!r} (a {type(pool).__name__})"
-            )
+                f"{e} (torch's 5th positional argument, pool); TransformerEngine's 5th positional argument, "
+                "sample_kwargs, is a dict or a sequence with one dict (or None) per callable"
+            ) from None
         return pool, options
     if options.get("sample_kwargs") is not None:
         raise TypeError(
@@ -316,19 +313,6 @@ def _looks_like_sample_kwargs(value: Any) -> bool:
     return (
         isinstance(value, (tuple, list)) and len(value) > 0 and all(v is None or isinstance(v, Mapping) for v in value)
     )
-
-
-def _pool_token(pool: Any) -> Hashable | None:
-    """A ``torch.cuda.MemPool`` (torch >= 2.12 accepts one as ``pool``) stands for its id."""
-    mem_pool = getattr(getattr(torch, "cuda", None), "MemPool", None)
-    if mem_pool is not None and isinstance(pool, mem_pool):
-        return tuple(pool.id)
-    if pool is not None and not isinstance(pool, Hashable):
-        raise TypeError(
-            f"gograph: pool must be a pool token from gograph.graph_pool_handle() or "
-            f"torch.cuda.graph_pool_handle(), or a torch.cuda.MemPool; got a {type(pool).__name__}"
-        )
-    return pool
 
 
 def _validate_callables(callables: Any, num_warmup_iters: Any, ordered: bool) -> tuple[ModuleOrCallable, ...]:
@@ -365,14 +349,12 @@ def _validate_callables(callables: Any, num_warmup_iters: Any, ordered: bool) ->
 
 
 def _check_callable(i: int, c: Any) -> None:
-    from .graphed import GraphedCallable
-
     if isinstance(c, (list, tuple)):
         raise TypeError(
             f"gograph: callable {i} is a {type(c).__name__}; callables must be a module or function, or a "
             "flat tuple of them (convert a list with tuple(...), and pass sample_args as a tuple of tuples)"
         )
-    if isinstance(c, GraphedCallable):
+    if isinstance(c, GraphedMark):
         raise TypeError(
             f"gograph: callable {i} ({c.label}) is already a graphed callable; pass the original module "
             "or function (a graph cannot be captured inside another graph)"
@@ -383,7 +365,7 @@ def _check_callable(i: int, c: Any) -> None:
         )
     if isinstance(c, torch.nn.Module):
         fwd = c.__dict__.get("forward")
-        if isinstance(fwd, GraphedCallable) and not fwd.is_reset:
+        if isinstance(fwd, GraphedMark) and not fwd.is_reset:
             raise ValueError(
                 f"gograph: module {i} ({label_of(c)}) is already graphed (its forward is a live "
                 "GraphedCallable). Call its reset() first to release those graphs, then graph it again"
@@ -474,62 +456,8 @@ def _forward_of(c: Any) -> tuple[Callable[..., Any], bool]:
     in the other train/eval mode or when its pass's ``__call__`` reaches it."""
     if not isinstance(c, torch.nn.Module):
         return c, False
-    from .graphed import GraphedCallable
-
     fwd = c.forward
-    if isinstance(fwd, GraphedCallable) and fwd.original_forward is not None:
+    if isinstance(fwd, GraphedMark) and fwd.original_forward is not None:
         return fwd.original_forward, fwd.original_forward_is_method  # graphed before and reset since
     is_method = inspect.ismethod(fwd) and fwd.__self__ is c
     return (getattr(fwd, "__func__", fwd) if is_method else fwd), is_method
-
-
-# ---------------------------------------------------------------------------------------------
-# checks that depend on the engine
-# ---------------------------------------------------------------------------------------------
-def check_for_engine(req: Request, specs: Sequence[PassSpec], engine: Engine) -> None:
-    """Devices, pool token and autocast against the engine chosen."""
-    from .engines import CudaEngine, EagerEngine
-
-    if isinstance(engine, CudaEngine):
-        _check_devices(specs, engine.device)
-        pool = req.pool
-        if pool is not None and not (
-            isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)
-        ):
-            raise TypeError(
-                f"gograph: pool must be a memory-pool token from gograph.graph_pool_handle() or "
-                f"torch.cuda.graph_pool_handle() (a pair of ints), or a torch.cuda.MemPool, for the CUDA engine; "
-                f"got {pool!r}"
-            )
-    elif isinstance(engine, EagerEngine):
-        engine.check_pool(req.pool)
-    cache = torch.is_autocast_enabled() and torch.is_autocast_cache_enabled()
-    if isinstance(engine, EagerEngine):
-        cache = cache or (torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled())
-    if cache:
-        raise RuntimeError(
-            "make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`."
-        )
-
-
-def _check_devices(specs: Sequence[PassSpec], device: torch.device) -> None:
-    for spec in specs:
-        for j, t in enumerate(spec.flat_args):
-            if t.device != device:
-                raise ValueError(
-                    f"gograph: sample arg leaf {j} of callable {spec.index} ({spec.label}) is on {t.device}, "
-                    f"but the CUDA engine captures on {device}; move it there (e.g. .to('{device}')): "
-                    "graphs read their inputs from that device's memory"
-                )
-        for k, p in enumerate(spec.params):
-            if p.device != device:
-                names = (
-                    {id(q): n for n, q in spec.func.named_parameters()}
-                    if isinstance(spec.func, torch.nn.Module)
-                    else {}
-                )
-                raise ValueError(
-                    f"gograph: parameter {names.get(id(p), k)!r} of callable {spec.index} ({spec.label}) "
-                    f"is on {p.device}, but the CUDA engine captures on {device}; move the module there "
-                    f"first (module.to('{device}'))"
-                )

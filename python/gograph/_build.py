@@ -1,15 +1,24 @@
-"""The build: executes one ``make_graphed_callables`` plan, phase by phase.
+"""The build: one typed interpreter of the core's programs.
+
+:meth:`Build.run` is a straight line of phases:
 
 1. passes: one core record per graphed pass;
-2. warmup: the core's warmup program (:mod:`gograph._warmup`) on the engine's side stream, or,
-   for a ``chain_buffers`` build that makes the whole training step (a probe forward of the last
-   callable finds its loss), the step's order inside the build's own graph pool;
+2. warmup: the core's warmup program on the engine's side stream, or, for a ``chain_buffers``
+   build that makes the whole training step (a probe forward of the last callable finds its
+   loss), the step's order inside the build's own graph pool;
 3. planning: what warmup learned goes to the core, which returns the capture program -- every
-   capture in replay order, every release point, where each static buffer comes from and how each
-   parameter grad reaches ``.grad``;
-4. captures: the program's ops (:mod:`gograph._captures`);
-5. seal: the passes become replayable (and guarded, in debug mode);
-6. assemble: one :class:`gograph.graphed.GraphedCallable` per pass.
+   capture in replay order, every release point, where each static buffer comes from, how each
+   parameter grad reaches ``.grad`` and which lent grads each graph may overwrite
+   (``run(until=Phase.PLANNED)`` stops here: ``plan_memory`` reads the program and rolls back);
+4. captures: the capture program;
+5. seal: the passes become replayable (and guarded, in debug mode).
+
+Both programs run through one loop, :meth:`Build.execute`: per op it enters the op's context
+(the phase of its kind and its pass, for error messages), calls the hooks that observe ops,
+then the op's handler (``_warmup.HANDLERS``, ``_captures.HANDLERS``). Observers -- the seed's
+allocation trace, the debug recorder, ``plan_memory``'s sizes, the build's own stats -- are
+:class:`gograph._exec.BuildHooks` injected by the caller. :meth:`Build.graphed` then gives one
+:class:`gograph.graphed.GraphedCallable` per pass.
 
 A failure anywhere rolls back in one place (:meth:`Build.rollback`): every pass created is
 dropped (its graphs destroyed, its pool references released, as the core counts them), the
@@ -20,30 +29,44 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import _args, _core, _observe, _plan, _probe, _recarve, _reuse, _torch
+from . import _args, _captures, _core, _fit, _observe, _plan, _reuse, _warmup
 from ._args import PassSpec, Request
-from ._captures import apply_separated, apply_slots, run_captures
+from ._exec import BuildHooks, Executor, HookList, Hooks, Phase, ProgramKind
+from ._kinds import BufferSource, CaptureOp, GradPolicy, WarmOp
 from ._shared_inputs import SharedInput, shared_inputs
 from ._state import PassState
-from ._warmup import WarmupObserver, decide_wgrad_without_warmup, module_buffers_restored, run_warmup, warm_forward
+from ._wire import CaptureProgram, Op
 from .engines import CudaEngine, Engine, resolve_engine
 from .graphed import GraphedCallable, PassResult, Shared, lent_grads
 
-__all__ = ["Build", "prepared"]
+__all__ = ["PHASE_OF", "Build", "prepared"]
 
 log = logging.getLogger("gograph")
+
+#: The phase an op runs in (what an error during it is said to have failed during).
+PHASE_OF: dict[WarmOp | CaptureOp, str] = {
+    **{k: "warmup" for k in WarmOp},
+    CaptureOp.FORWARD: "forward capture",
+    CaptureOp.BACKWARD: "backward capture",
+    CaptureOp.WGRAD: "weight-gradient capture",
+    CaptureOp.DROP: "captures",
+    CaptureOp.RELEASE: "captures",
+    CaptureOp.RETURN_WARMUP_POOL: "captures",
+}
+
+Handlers = Mapping[Any, Callable[[Executor, int, Op], None]]
 
 
 @contextlib.contextmanager
 def prepared(req: Request) -> Iterator[Build]:
     """The executor of ``req``: the schedule the core plans for it (held by handle, freed on
     exit), one spec per pass, the engine its tensors resolve to (checked against the request).
-    ``make_graphed_callables`` runs it; ``plan_memory`` probes it."""
+    ``make_graphed_callables`` runs it to the end; ``plan_memory`` until it is planned."""
     schedule = _plan.plan_schedule(
         req.order,
         req.layers,
@@ -55,95 +78,120 @@ def prepared(req: Request) -> Iterator[Build]:
     try:
         specs = _args.pass_specs(req, schedule)
         engine = resolve_engine(req.engine, [t for s in specs for t in (*s.flat_args, *s.params)])
-        _args.check_for_engine(req, specs, engine)
+        _fit.check_for_engine(req, specs, engine)
         yield Build(req, schedule, specs, engine)
     finally:
         schedule.free()
 
 
 class Build:
-    """One build's executor. ``run()`` returns the graphed callables, one per pass."""
+    """One build's executor (an :class:`gograph._exec.Executor`). ``phase`` and ``current`` say
+    where it is, for error messages (:meth:`_enter` sets them)."""
+
+    phase: str
+    current: PassState | PassSpec | None
 
     def __init__(self, req: Request, schedule: _plan.Schedule, specs: Sequence[PassSpec], engine: Engine) -> None:
         self.req, self.schedule, self.specs, self.engine = req, schedule, specs, engine
         self.pool: Hashable = req.pool if req.pool is not None else engine.new_pool()
         self.device: torch.device | None = engine.device if isinstance(engine, CudaEngine) else None
+        self.debug = _observe.debug_env() if req.debug_replay_order is None else req.debug_replay_order
         self.states: list[PassState] = []
-        self.phase = "setup"
-        self.current: PassState | PassSpec | None = None
+        self._enter("setup")
+        self.program: CaptureProgram | None = None
+        self.slots: dict[int, torch.Tensor] = {}
         self.reuse: _reuse.BufferReuse | None = None
         self.stats: _observe.BuildStats | None = None
+        self.hooks = HookList(())
+        self.rng_at: Hashable = None
         self.warm_pool: Hashable | None = None  # the pool warmup (or the seed) allocated in, while referenced
-        self.trace: str | None = None  # what warmup allocated, as the core's trace (CUDA, own pool)
         self.seed = 0  # bytes carved in the pool before the first capture (the core's choice)
+        self._rng: Any = None
+        self._rolled_back = False
 
-    def run(self) -> list[GraphedCallable]:
-        rng = self.engine.get_rng_state()
-        debug = _observe.debug_env() if self.req.debug_replay_order is None else self.req.debug_replay_order
+    def run(self, until: Phase = Phase.SEALED, hooks: Sequence[BuildHooks] = ()) -> CaptureProgram:
+        """Runs the phases up to ``until`` with ``hooks`` observing, and returns the capture
+        program. At :attr:`Phase.SEALED` the passes are replayable (:meth:`graphed`); at
+        :attr:`Phase.PLANNED` nothing is captured and the caller must :meth:`rollback`. A
+        failure rolls back and raises (see the module docstring)."""
+        self._rng = self.engine.get_rng_state()
         self.stats = _observe.BuildStats.begin(
             self.engine,
             expected_captures=self._expected_captures(),
-            progress=self.req.progress,
-            debug_replay_order=debug,
+            progress=self.req.progress and until is Phase.SEALED,
+            debug_replay_order=self.debug,
         )
+        self.hooks = HookList((_StatsHooks(self.stats), *hooks))
         try:
             self._create_passes()
-            self._warmup()
-            program, slots = self._plan_captures()
-            self._carve_seed()
-            with _recarve.recording(self.engine, debug) as recorder:
-                run_captures(self, program, slots, recorder)
-            self._end_warmup_in_pool()  # the captures hold the pool now
-            self._seal(debug)
-            if recorder is not None:  # debug on CUDA: replays checked against what each graph touches
-                _recarve.send(_recarve.specs(recorder, program.ops, self.states))
+            self._warmup(probe=until is Phase.SEALED)
+            program = self._plan_captures()
+            if until is Phase.PLANNED:
+                return program
+            self._capture(program)
+            self._seal()
+            self.hooks.finished(self, failed=False)
         except BaseException as e:
-            self.rollback(rng)
+            self.rollback()
             wrapped = self._with_context(e) if isinstance(e, Exception) else None
             if wrapped is not None:
                 raise wrapped from e
             raise
-        self.engine.set_rng_state(rng)
-        self.stats.close()
-        return self._assemble(program, debug)
+        self.engine.set_rng_state(self._rng)
+        return program
+
+    def execute(self, kind: ProgramKind, ops: Sequence[Op], handlers: Handlers) -> None:
+        """Runs one of the core's programs: per op, its context, the hooks, its handler."""
+        states, hooks, enter = self.states, self.hooks, self._enter
+        table = {k: (handlers[k], PHASE_OF[k]) for k in {op.kind for op in ops}}
+        with hooks.program(self, kind, ops):
+            per_op = hooks.per_op  # the hooks that watch this program's ops
+            for i, op in enumerate(ops):
+                handler, phase = table[op.kind]
+                enter(phase, states[op.pass_index] if op.pass_index >= 0 else None)
+                if per_op:
+                    hooks.op(i)
+                handler(self, i, op)
+            if per_op:
+                hooks.op(len(ops))
+
+    def _enter(self, phase: str, current: PassState | PassSpec | None = None) -> None:
+        """What an error now is said to have failed during, and in which callable (None: not a
+        callable's, such as a hook's or the engine's)."""
+        self.phase = phase
+        self.current = current
 
     def _expected_captures(self) -> int:
         return sum(1 + int(s.grad_enabled) for s in self.specs) + len(self.schedule.wgrad_passes)
 
     def _create_passes(self) -> None:
         for spec in self.specs:
-            self.current = spec  # names the callable in an error
-            pass_id = self.engine.new_pass(spec.index, spec.label)
-            self.states.append(PassState(spec, pass_id))
+            self._enter("setup", spec)
+            self.states.append(PassState(spec, self.engine.new_pass(spec.index, spec.label)))
 
-    def _warmup(self, observer: WarmupObserver | None = None) -> None:
-        self.phase, self.current = "warmup", None  # a hook's or the engine's error is not a callable's
-        req = self.req
-        hooks = req.hooks.hooks is not None
-        assert self.stats is not None
-        self.stats.warmup_started()
+    def _warmup(self, probe: bool) -> None:
+        """The warmup program, after ``pre_warmup_hook`` and (``probe``) the whole-step probe."""
+        self._enter("warmup")
+        req, has_hooks = self.req, self.req.hooks.hooks is not None
         with self.engine.warmup_context():
             if req.pre_warmup_hook is not None:
                 req.pre_warmup_hook()
-            # plan_memory (an observer) models torch's per-callable warmup: no probe there.
-            whole = observer is None and self._post_hook_on_error(self._whole_step, hooks)
-            self.current = None  # the probe's callable is done
-        program = _plan.warmup_program(self.schedule, req.num_warmup_iters, hooks, whole, req.pool is None)
+            whole = probe and self._post_hook_on_error(self._whole_step, has_hooks)
+        program = _plan.warmup_program(self.schedule, req.num_warmup_iters, has_hooks, whole, req.pool is None)
         pool = self.pool if program.in_pool else None
         if pool is not None:
             self.engine.release_cached()  # what the probe cached must not stay beside the pool
         with self.engine.warmup_context(pool):
             self.warm_pool = pool  # one pool reference, returned once the captures hold theirs
-            with self._allocation_trace(observer is None and pool is None, program.ops) as trace:
-                self._post_hook_on_error(run_warmup, self, program.ops, observer or trace)
+            self.rng_at = self.engine.rng_marker()
+            self._post_hook_on_error(self.execute, ProgramKind.WARMUP, program.ops, _warmup.HANDLERS)
             if req.post_warmup_hook is not None:
-                self.current = None  # a hook's error is not a callable's
+                self._enter("warmup")  # a hook's error is not a callable's
                 req.post_warmup_hook()
         self.engine.synchronize()
         for st in self.states:  # warmup is over: what it kept alive goes
             st.warm_outputs = st.warm_grads = None
-        decide_wgrad_without_warmup(self.states, req.callables)
-        self.stats.warmup_finished()
+        _warmup.decide_wgrad_without_warmup(self.states, req.callables)
 
     def _post_hook_on_error(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``; if it raises, ``post_warmup_hook`` runs first (TransformerEngine runs it
@@ -171,94 +219,78 @@ class Build:
             return False
         if not _plan.warmup_program(self.schedule, 0, hooks, True, req.pool is None).in_pool:
             return False  # a pool passed in, capture-time hooks, an _order: the plan stays
-        self.current = st
+        self._enter("warmup", st)
         func = req.callables[st.spec.callable_index]
-        with module_buffers_restored([func]):
-            warm_forward(st, func, req.hooks, self.device)
+        with _warmup.module_buffers_restored([func]):
+            _warmup.warm_forward(st, func, req.hooks, self.device)
         outputs, st.warm_outputs = st.warm_outputs or (), None
+        self._enter("warmup")  # the probe's callable is done
         return bool(outputs) and all(o.dim() == 0 for o in outputs) and any(o.requires_grad for o in outputs)
 
-    @contextlib.contextmanager
-    def _allocation_trace(self, wanted: bool, ops: Sequence[_plan.Op]) -> Iterator[_probe.AllocationTrace | None]:
-        """Records what a warmup outside the pool allocates, as the core's trace (``self.trace``),
-        on the CUDA engine with the build's own pool, unless the process records allocator
-        history already (its buffer and settings are the caller's) or every sample and parameter
-        is a small-pool request (``_probe.seed_may_matter``): the ops up to the last first one
-        (the captures replay what each op allocated the first time)."""
-        device = self.device
-        if (
-            not wanted
-            or device is None
-            or self.req.pool is not None
-            or _torch.allocator_history_enabled()
-            or not _probe.seed_may_matter(self.states)
-        ):
-            yield None
-            return
-        with _probe.CountedTrace(device, ops) as rec:
-            yield rec
-        if rec.complete:
-            self.trace = rec.text(ops[: rec.until])
-        else:
-            log.debug("a free deferred past a warmup op; planning without the pool seed")
-
-    def _carve_seed(self) -> None:
-        """The seed segment the core chose goes into the build's own pool before the captures
-        (its reference is returned with the warmup's, once the captures hold theirs)."""
-        if self.seed > 0 and self.warm_pool is None and self.req.pool is None:
-            self.phase, self.current = "seed", None
-            if self.engine.carve_seed(self.pool, self.seed):
-                self.warm_pool = self.pool
-
-    def _end_warmup_in_pool(self) -> None:
-        pool, self.warm_pool = self.warm_pool, None
-        if pool is not None:
-            self.engine.end_warmup_in_pool(pool)
-
-    def _plan_captures(self) -> tuple[_plan.CaptureProgram, dict[int, Any]]:
-        """What warmup learned goes to the core; the capture program comes back."""
-        self.phase, self.current = "buffer planning", None
+    def _plan_captures(self) -> CaptureProgram:
+        """What warmup learned goes to the core; the capture program comes back (the core keeps it
+        with the schedule, for the seed's prediction); the hooks see it."""
+        self._enter("buffer planning")
         req, sigs = self.req, _reuse.Signatures()
         release = isinstance(self.engine, CudaEngine)
-        facts = _reuse.facts_text(self.states, sigs, req.clone_param_grads)
-        program = _plan.capture_program(self.schedule, facts, reuse=req.reuse, chain=req.chain, release=release)
-        if self.trace is not None:  # the core models the captures over what warmup allocated
-            prediction = _core.plan_memory(self.schedule.handle, facts, req.reuse, req.chain, release, self.trace)
-            self.seed = _plan.prediction_seed(str(prediction))
+        facts = _reuse.facts(self.states, sigs, req.clone_param_grads)
+        self.program = program = _plan.capture_program(self.schedule, facts, req.reuse, req.chain, release)
         if req.reuse or req.chain:
             self.reuse = _reuse.BufferReuse.of(program, sigs)
             if not release:
                 self.reuse.released = 0
-        apply_separated(self.states, program)
-        return program, apply_slots(self.states, program)
+        self.hooks.planned(self, program)
+        return program
 
-    def _seal(self, debug: bool) -> None:
-        self.phase = "seal"
+    def _capture(self, program: CaptureProgram) -> None:
+        """The capture program, after the buffers it names were put in place and the seed carved."""
+        _captures.apply_separated(self.states, program)
+        self.slots = _captures.apply_slots(self.states, program)
+        if self.seed > 0 and self.warm_pool is None and self.req.pool is None:
+            self._enter("seed")  # into the build's own pool: its reference goes back with warmup's
+            if self.engine.carve_seed(self.pool, self.seed):
+                self.warm_pool = self.pool
+        self.execute(ProgramKind.CAPTURE, program.ops, _captures.HANDLERS)
+        _captures.lent_thresholds(self.states, program)
+
+    def return_warm_pool(self) -> None:
+        """Returns the pool reference warmup (or the seed) took, if it holds one."""
+        pool, self.warm_pool = self.warm_pool, None
+        if pool is not None:
+            self.engine.end_warmup_in_pool(pool)
+
+    def _seal(self) -> None:
         for st in self.states:
-            self.current = st
+            self._enter("seal", st)
             self.engine.seal(st.pass_id)
         self.engine.synchronize()  # captures complete before the first replay
-        if debug:
+        if self.debug:
             for st in self.states:
                 _core.set_replay_order_check(st.pass_id, True)
 
-    def rollback(self, rng: Any) -> None:
-        """Every pass created so far is dropped and the generator state restored."""
-        if self.stats is not None:
-            self.stats.close(failed=True)
+    def rollback(self) -> None:
+        """Every pass created so far is dropped, the pool reference warmup holds returned, the
+        generator state restored and the hooks told (once: a second call does nothing)."""
+        if self._rolled_back:
+            return
+        self._rolled_back = True
         for st in self.states:
             try:
                 self.engine.drop(st.pass_id, self.pool)
             except Exception as cleanup_error:  # keep the original error
                 log.warning("releasing pass %d after a failed build: %s", st.pass_id, str(cleanup_error))
         try:
-            self._end_warmup_in_pool()
+            self.return_warm_pool()
         except Exception as pool_error:
             log.warning("releasing the pool warmup allocated in after a failed build: %s", str(pool_error))
         try:
-            self.engine.set_rng_state(rng)
+            self.engine.set_rng_state(self._rng)
         except Exception as rng_error:
             log.warning("restoring the generator state after a failed build: %s", str(rng_error))
+        try:
+            self.hooks.finished(self, failed=True)
+        except Exception as hook_error:
+            log.warning("a build hook after a failed build: %s", str(hook_error))
 
     def _with_context(self, e: Exception) -> Exception | None:
         """An exception of ``e``'s type whose message names the callable and the phase, or None
@@ -287,12 +319,15 @@ class Build:
             log.error("%s", msg)
         return None
 
-    def _assemble(self, program: _plan.CaptureProgram, debug: bool) -> list[GraphedCallable]:
+    def graphed(self) -> list[GraphedCallable]:
+        """One graphed callable per pass, once :meth:`run` sealed them."""
+        program = self.program
+        assert program is not None and self.stats is not None
         shared = Shared(
             engine=self.engine,
             pool=self.pool,
             build_stats=self.stats,
-            check_replay_order=debug,
+            check_replay_order=self.debug,
             retain_graph_in_backward=self.req.retain_graph,
             buffer_reuse=self.reuse,
             lent=lent_grads(self.engine.pool_key(self.pool)),
@@ -319,6 +354,28 @@ class Build:
         return out
 
 
+class _StatsHooks(Hooks):
+    """The build's own observation record (:class:`gograph._observe.BuildStats`, which every
+    graphed callable it returns shares) as hooks: warmup's time and peak, the end."""
+
+    def __init__(self, stats: _observe.BuildStats) -> None:
+        self.stats = stats
+
+    @contextlib.contextmanager
+    def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:
+        if kind is not ProgramKind.WARMUP:
+            yield
+            return
+        self.stats.warmup_started()
+        try:
+            yield
+        finally:
+            self.stats.warmup_finished()
+
+    def finished(self, build: Executor, failed: bool) -> None:
+        self.stats.close(failed=failed)
+
+
 def _plain_copies(st: PassState) -> frozenset[int]:
     """The leaves the shared-input guard leaves alone: chained ones (never copied into) and those
     the forward writes in place (a replay changes their buffer without a version bump), every
@@ -328,9 +385,9 @@ def _plain_copies(st: PassState) -> frozenset[int]:
     return frozenset(st.chained_inputs) | st.mutated_inputs
 
 
-def _result(st: PassState, program: _plan.CaptureProgram, shared_leaves: dict[int, SharedInput]) -> PassResult:
+def _result(st: PassState, program: CaptureProgram, shared_leaves: dict[int, SharedInput]) -> PassResult:
     n = len(st.flat_args)
-    policy: dict[int, str] = {}
+    policy: dict[int, GradPolicy] = {}
     if st.has_backward:
         entries = [
             (n + k)
@@ -361,8 +418,9 @@ def _result(st: PassState, program: _plan.CaptureProgram, shared_leaves: dict[in
         released_grad_inputs=frozenset(i for r, i in st.released if r != "o"),
         grad_policy=policy,
         seq=(st.seq[0], st.seq[1], st.seq[2]),
+        lent_from=(st.lent_from[0], st.lent_from[1], st.lent_from[2]),
         shared_inputs=shared_leaves,
         shared_grad_outputs=frozenset(
-            k for (q, k), src in program.grad_outputs.items() if q == st.index and src.kind == _plan.SLOT
+            k for (q, k), src in program.grad_outputs.items() if q == st.index and src.kind is BufferSource.SLOT
         ),
     )

@@ -1,36 +1,39 @@
-"""The capture executor: runs the core's capture program (:func:`gograph._plan.capture_program`).
+"""The capture program's ops (:func:`gograph._plan.capture_program`): one handler per op kind.
 
+:class:`gograph._build.Build` runs the program and calls ``HANDLERS[op.kind](build, i, op)``.
 Every op is the core's decision: capture a pass's forward, backward or weight gradient (in the
 order they will replay, so the pool's memory is reused at replay exactly as at capture), drop a
 forward's capture-time outputs once its backward is captured, hand a dead pool buffer back to the
-pool. Static buffers come from where the program says: the pass's own, a clone of its sample (a
-sample sharing memory), a shared slot, or the chained neighbour's buffer (resolved here, when it
-exists).
+pool, return the pool reference warmup took. Static buffers come from where the program says: the
+pass's own, a clone of its sample (a sample sharing memory), a shared slot, or the chained
+neighbour's buffer (resolved here, when it exists).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from . import _plan, _reuse, _te
+from . import _reuse, _te
 from ._bodies import BackwardBody
+from ._exec import Executor
+from ._kinds import BufferSource, CaptureOp, GraphKind
 from ._shared_inputs import version_of
 from ._state import PassState
 from ._warmup import check_outputs
-from .engines import BACKWARD, FORWARD, WGRAD
+from ._wire import CaptureProgram, Op
 
-__all__ = ["apply_separated", "apply_slots", "run_captures"]
+__all__ = ["HANDLERS", "apply_separated", "apply_slots", "lent_thresholds"]
 
 log = logging.getLogger("gograph")
 
 
-def apply_separated(states: Sequence[PassState], program: _plan.CaptureProgram) -> None:
+def apply_separated(states: Sequence[PassState], program: CaptureProgram) -> None:
     """Input leaves the core separated (their sample shares memory with another input leaf or a
     parameter, :mod:`gograph._regions`) get a clone of their own, with the sample's requires_grad,
     as their static input: a copy-in for one graph then never changes what another reads, nor
@@ -38,7 +41,7 @@ def apply_separated(states: Sequence[PassState], program: _plan.CaptureProgram) 
     per_pass: dict[int, dict[int, Tensor]] = {}
     nbytes = 0
     for (p, j), src in program.inputs.items():
-        if src.kind == _plan.FRESH:
+        if src.kind is BufferSource.FRESH:
             t = states[p].flat_args[j]
             per_pass.setdefault(p, {})[j] = t.detach().clone().requires_grad_(t.requires_grad)
             nbytes += t.numel() * t.element_size()
@@ -56,14 +59,14 @@ def apply_separated(states: Sequence[PassState], program: _plan.CaptureProgram) 
         )
 
 
-def apply_slots(states: Sequence[PassState], program: _plan.CaptureProgram) -> dict[int, Tensor]:
+def apply_slots(states: Sequence[PassState], program: CaptureProgram) -> dict[int, Tensor]:
     """Gives every pass its slot tensors (``_reuse_graph_input_output_buffers``) for inputs now;
     returns the slots (grad-output slots are taken when the backward is captured). A pass sharing
     a slot gets the slot's tensor, or a view with its own requires_grad."""
     backing = _reuse.slot_tensors(states, program)
     per_pass: dict[int, dict[int, Tensor]] = {}
     for (p, j), src in program.inputs.items():
-        if src.kind != _plan.SLOT:
+        if src.kind is not BufferSource.SLOT:
             continue
         t, b = states[p].flat_args[j], backing[src.slot]
         if b is not t:
@@ -75,129 +78,161 @@ def apply_slots(states: Sequence[PassState], program: _plan.CaptureProgram) -> d
     return backing
 
 
-def run_captures(build: Any, program: _plan.CaptureProgram, slots: dict[int, Tensor], recorder: Any = None) -> None:
-    """Runs the program's ops (``build`` is the :class:`gograph._build.Build`). ``recorder``
-    (debug mode, :class:`gograph._recarve.CaptureRecorder`) sees every op begin, and the end."""
-    states = build.states
-    for i, op in enumerate(program.ops):
-        st: PassState = states[op.pass_index]
-        build.current = st
-        kind = op.kind
-        if recorder is not None:
-            recorder.op(i)
-        if kind == _plan.CAPTURE_FORWARD:
-            build.phase = "forward capture"
-            with recorder.saving(st) if recorder is not None else contextlib.nullcontext():
-                capture_forward(build, st, program)
-        elif kind == _plan.CAPTURE_BACKWARD:
-            build.phase = "backward capture"
-            capture_backward(build, st, program, slots)
-        elif kind == _plan.CAPTURE_WGRAD:
-            build.phase = "weight-gradient capture"
-            capture_wgrad(build, st)
-        elif kind == _plan.DROP_CAPTURE:
-            st.capture_outputs = None
+def _forward(x: Executor, i: int, op: Op) -> None:
+    st = x.states[op.pass_index]
+    with x.hooks.capturing_forward(st) if x.hooks.per_capture else contextlib.nullcontext():
+        capture_forward(x, st)
+
+
+def _backward(x: Executor, i: int, op: Op) -> None:
+    capture_backward(x, x.states[op.pass_index])
+
+
+def _wgrad(x: Executor, i: int, op: Op) -> None:
+    capture_wgrad(x, x.states[op.pass_index])
+
+
+def _drop(x: Executor, i: int, op: Op) -> None:
+    x.states[op.pass_index].capture_outputs = None
+
+
+def _release(x: Executor, i: int, op: Op) -> None:
+    _reuse.release(op, x.states)
+
+
+def _return_warm_pool(x: Executor, i: int, op: Op) -> None:
+    x.return_warm_pool()
+
+
+#: The handler of each capture op.
+HANDLERS: dict[CaptureOp, Callable[[Executor, int, Op], None]] = {
+    CaptureOp.FORWARD: _forward,
+    CaptureOp.BACKWARD: _backward,
+    CaptureOp.WGRAD: _wgrad,
+    CaptureOp.DROP: _drop,
+    CaptureOp.RELEASE: _release,
+    CaptureOp.RETURN_WARMUP_POOL: _return_warm_pool,
+}
+
+
+def lent_thresholds(states: Sequence[PassState], program: CaptureProgram) -> None:
+    """Every pass's graphs learn, as capture sequence numbers, from which lending backward on
+    their replays may overwrite lent parameter grads (the core's ``lent`` lines name the op; a
+    later build's backwards are captured after every sequence number of this one)."""
+    after = max((q for st in states for q in st.seq), default=0) + 1
+    for (kind, p), j in program.lent_from.items():
+        graph = kind.graph
+        if graph is None:
+            continue
+        if j < len(program.ops):
+            states[p].lent_from[graph] = states[program.ops[j].pass_index].seq[GraphKind.BACKWARD]
         else:
-            _reuse.release(op, states)
-    if recorder is not None:
-        recorder.op(len(program.ops))
+            states[p].lent_from[graph] = after
 
 
-def _chained_inputs(build: Any, st: PassState, program: _plan.CaptureProgram) -> None:
+def _chained_inputs(x: Executor, st: PassState, program: CaptureProgram) -> None:
     """Chained input leaves become the producer's static output (read in place by the graph)."""
     repl = {}
     for j in range(len(st.flat_args)):
         src = program.inputs.get((st.index, j))
-        if src is not None and src.kind == _plan.CHAINED:
-            out = build.states[src.pass_index].static_outputs[src.index]
+        if src is not None and src.kind is BufferSource.CHAINED:
+            out = x.states[src.pass_index].static_outputs[src.index]
             repl[j] = out.detach().requires_grad_(st.flat_args[j].requires_grad)
             st.chained_inputs.add(j)
     st.replace_args(repl)
 
 
-def capture_forward(build: Any, st: PassState, program: _plan.CaptureProgram) -> None:
-    _chained_inputs(build, st, program)
-    spec, func = st.spec, build.req.callables[st.spec.callable_index]
-    build.req.hooks.run("forward_pre_hooks", spec.callable_index, func)
-    discover = build.req.num_warmup_iters == 0 and not build.req.ordered  # no warmup found the wgrad modules
+def capture_forward(x: Executor, st: PassState) -> None:
+    program, req = x.program, x.req
+    assert program is not None  # the captures run once it is planned
+    _chained_inputs(x, st, program)
+    spec, func = st.spec, req.callables[st.spec.callable_index]
+    req.hooks.run("forward_pre_hooks", spec.callable_index, func)
+    discover = req.num_warmup_iters == 0 and not req.ordered  # no warmup found the wgrad modules
     before = None if st.warmed else [version_of(t) for t in st.flat_args]  # what no warmup told
     with (
         torch.set_grad_enabled(spec.grad_enabled),
         _te.discover_wgrad_modules(func, st.wgrad_modules) if discover else contextlib.nullcontext(),
     ):
-        outputs, st.seq[0] = build.engine.capture(
+        results, st.seq[0] = x.engine.capture(
             st.pass_id,
-            FORWARD,
+            int(GraphKind.FORWARD),
             st.capture_body,
             *st.body_args,
-            pool=build.pool,
+            pool=x.pool,
             uses_rng=st.rng[0],
-            mode=build.req.capture_mode,
+            mode=req.capture_mode,
         )
-    check_outputs(st, outputs, build.device)
+    outputs = cast("tuple[Tensor, ...]", results)  # a forward body returns tensors only (ForwardBody)
+    check_outputs(st, outputs, x.device)
     if before is not None:  # which leaves its forward writes in place (version counters move in a capture too)
         st.mutated_inputs = frozenset(j for j, (t, v) in enumerate(zip(st.flat_args, before)) if version_of(t) != v)
         st.inputs_seen = True
     st.output_spec = st.body.out_spec
-    build.req.hooks.run("forward_hooks", spec.callable_index, func)
+    req.hooks.run("forward_hooks", spec.callable_index, func)
     # Keep detached aliases: the static storage, without the capture's autograd graph.
     st.output_requires_grad = tuple(bool(o.requires_grad) for o in outputs)
     st.static_outputs = tuple(o.detach() for o in outputs)
     st.capture_outputs = tuple(outputs) if any(st.output_requires_grad) else None
 
 
-def _grad_output_buffer(
-    build: Any, st: PassState, k: int, o: Tensor, program: _plan.CaptureProgram, slots: dict[int, Tensor]
-) -> Tensor:
+def _grad_output_buffer(x: Executor, st: PassState, k: int, o: Tensor, program: CaptureProgram) -> Tensor:
     """Where output ``k``'s incoming grad is copied before a backward replay: the consumer's input
     grad (chained), a shared slot, or a new buffer -- uninitialised on the CUDA engine, as in torch
     and TransformerEngine (every replay copies the incoming grad in first, and a capture computes
     no values), zeros on the eager engine, whose capture does run the backward."""
     src = program.grad_outputs.get((st.index, k))
-    if src is not None and src.kind == _plan.CHAINED:
-        buf = build.states[src.pass_index].static_grad_inputs[src.index]
+    if src is not None and src.kind is BufferSource.CHAINED:
+        buf = x.states[src.pass_index].static_grad_inputs[src.index]
         if isinstance(buf, torch.Tensor) and _reuse.tensor_signature(buf) == _reuse.tensor_signature(o):
             st.chained_grad_outputs.add(k)
             return buf
-    if src is not None and src.kind == _plan.SLOT:
-        slot = _reuse.grad_output_slot(slots, src.slot, st, k)
+    if src is not None and src.kind is BufferSource.SLOT:
+        slot = _reuse.grad_output_slot(x.slots, src.slot, st, k)
         if _reuse.tensor_signature(slot) == _reuse.tensor_signature(o):
             return slot.detach() if slot.requires_grad else slot
-    return torch.empty_like(o) if build.device is not None else torch.zeros_like(o)
+    return torch.empty_like(o) if x.device is not None else torch.zeros_like(o)
 
 
-def capture_backward(build: Any, st: PassState, program: _plan.CaptureProgram, slots: dict[int, Tensor]) -> None:
+def capture_backward(x: Executor, st: PassState) -> None:
+    program, req = x.program, x.req
+    assert program is not None  # the captures run once it is planned
     outputs = st.capture_outputs if st.capture_outputs is not None else st.static_outputs
     mask = tuple(bool(o.requires_grad) for o in outputs)
     st.static_grad_outputs = tuple(
-        _grad_output_buffer(build, st, k, o, program, slots) if rg else None
-        for k, (o, rg) in enumerate(zip(outputs, mask))
+        _grad_output_buffer(x, st, k, o, program) if rg else None for k, (o, rg) in enumerate(zip(outputs, mask))
     )
     grad_inputs: tuple[Tensor | None, ...] | None = None
-    func = build.req.callables[st.spec.callable_index]
+    func = req.callables[st.spec.callable_index]
     if any(mask):
-        build.req.hooks.run("backward_pre_hooks", st.spec.callable_index, func)
+        req.hooks.run("backward_pre_hooks", st.spec.callable_index, func)
         body = BackwardBody(
             st.grad_surface,
             tuple(g for g in st.static_grad_outputs if g is not None),
             mask,
-            build.req.allow_unused_input or st.te_grads,
-            build.req.retain_graph,
+            req.allow_unused_input or st.te_grads,
+            req.retain_graph,
             st.anchors,
         )
         with torch.set_grad_enabled(st.spec.grad_enabled):
-            grad_inputs, st.seq[1] = build.engine.capture(
-                st.pass_id, BACKWARD, body, outputs, pool=build.pool, uses_rng=st.rng[1], mode=build.req.capture_mode
+            grad_inputs, st.seq[1] = x.engine.capture(
+                st.pass_id,
+                int(GraphKind.BACKWARD),
+                body,
+                outputs,
+                pool=x.pool,
+                uses_rng=st.rng[1],
+                mode=req.capture_mode,
             )
         st.has_backward = True
-        build.req.hooks.run("backward_hooks", st.spec.callable_index, func)
+        req.hooks.run("backward_hooks", st.spec.callable_index, func)
     # The grads of the inputs that require grad, padded with None for the others (the layout
     # autograd.Function.backward returns).
     it = iter(grad_inputs or ())
     st.static_grad_inputs = tuple(next(it) if t.requires_grad and grad_inputs is not None else None for t in st.surface)
 
 
-def capture_wgrad(build: Any, st: PassState) -> None:
+def capture_wgrad(x: Executor, st: PassState) -> None:
     """The delayed weight-gradient graph (kind 2): what ``backward_dw()`` of the pass's discovered
     submodules does. Nothing is captured when none needs one (unknown before capture without
     warmup)."""
@@ -205,7 +240,7 @@ def capture_wgrad(build: Any, st: PassState) -> None:
     if not st.has_backward or not (st.need_dw or _te.modules_needing_dw(mods)):
         return  # no backward ran (its outputs need no grad, known at capture without warmup): nothing to do
     body = _te.WgradBody(mods, st.spec.label)
-    _, st.seq[2] = build.engine.capture(
-        st.pass_id, WGRAD, body, pool=build.pool, uses_rng=st.rng[2], mode=build.req.capture_mode
+    _, st.seq[2] = x.engine.capture(
+        st.pass_id, int(GraphKind.WGRAD), body, pool=x.pool, uses_rng=st.rng[2], mode=x.req.capture_mode
     )
     st.wgrad_body = body

@@ -15,7 +15,7 @@ from typing import Any
 from . import _native
 
 #: The core version this Python package was written against (``core_version()`` must match).
-EXPECTED_VERSION = "0.2.0"
+EXPECTED_VERSION = "0.3.0"
 
 NAMES = (
     "core_version",

@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _core, _torch
+from ._kinds import GraphKind
 
 __all__ = ["WATCH", "HandoutWatch"]
 
@@ -30,7 +31,6 @@ log = logging.getLogger("gograph")
 
 Graph = tuple[int, int]  # (pass id, kind)
 _Key = tuple[int, int, int]  # (pass id, kind, index of the output or grad input)
-_KINDS = ("forward", "backward", "weight-gradient pass")
 
 
 class HandoutWatch:
@@ -115,7 +115,7 @@ class HandoutWatch:
             held = [k for k in self._live if k[0] == pass_id]
         for k in held:
             self._poison(k, f"gograph: this tensor is a pool-planned buffer that pass {pass_id}'s "
-                         f"{_KINDS[k[1]]} handed out (index {k[2]}), and that graphed callable was reset "
+                         f"{GraphKind(k[1]).noun} handed out (index {k[2]}), and that graphed callable was reset "
                          "since: its memory went back with its graphs. Clone what must outlive reset()")  # fmt: skip
 
     def __len__(self) -> int:

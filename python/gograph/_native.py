@@ -82,7 +82,7 @@ def _load_libcuda() -> tuple[ctypes.CDLL | None, str | None]:
     # runtime dlopen()s it from a driver-specific location): initialise CUDA through torch
     # and take the path from this process's mappings.
     try:
-        import torch
+        import torch  # only on this fallback path: loading the core must not need torch first
 
         torch_sees_cuda = bool(torch.cuda.is_available())
     except Exception as e:  # pragma: no cover - torch broken

@@ -25,16 +25,28 @@ import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ._kinds import GraphKind
 from ._warn import warn_user
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engines import Engine
 
 log = logging.getLogger("gograph")
 
-KIND_NAMES = {0: "forward", 1: "backward", 2: "wgrad"}
+#: Report names of the graph kinds, by kind number (``GraphKind.key``).
+KIND_NAMES = {int(k): k.key for k in GraphKind}
+
+
+class Engine(Protocol):
+    """What observation reads of an engine (:class:`gograph.engines.Engine` has it): its name,
+    the device memory it measures and the core's name of a pool."""
+
+    name: str
+
+    def memory_allocated(self) -> int | None: ...
+    def max_memory_allocated(self) -> int | None: ...
+    def pool_key(self, pool: Hashable) -> str: ...
+
+
 _MiB = 1024.0 * 1024.0
 
 

@@ -10,7 +10,8 @@ A build's plan lives in Go behind a handle (:class:`Schedule`), from :func:`plan
   with every release point, where each static buffer comes from, how each parameter grad
   reaches ``.grad``.
 
-Formats are docs/CORE_API.md's. Go decides; :mod:`gograph._build` executes.
+Formats are docs/CORE_API.md's, their record types :mod:`gograph._wire`'s. Go decides;
+:mod:`gograph._build` executes.
 """
 
 from __future__ import annotations
@@ -22,38 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import _core
+from ._kinds import StepKind
+from ._wire import CaptureProgram, Facts, Prediction, Trace, WarmupProgram
 
 __all__ = [
-    "CaptureProgram",
-    "Op",
     "Schedule",
     "ScheduleError",
     "ScheduleTypeError",
-    "Source",
     "Step",
-    "WarmupProgram",
     "capture_program",
     "encode_layers",
     "encode_order",
     "megatron_order",
     "plan_schedule",
-    "prediction_seed",
+    "predict",
     "warmup_program",
 ]
-
-#: Step kinds of a schedule.
-FORWARD_STEP, BACKWARD_STEP, WGRAD_STEP = "F", "B", "W"
-#: Warmup ops: run a forward / backward / weight gradient; the pass's warmup outputs die; they
-#: die if none requires grad (the pass has no backward, which only its forward tells).
-WARM_FORWARD, WARM_BACKWARD, WARM_WGRAD, DROP_WARM, DROP_INFERENCE = "f", "b", "w", "x", "y"
-#: Capture ops: capture a forward / backward / weight gradient; drop the capture-time outputs;
-#: hand a pool buffer back to the pool.
-CAPTURE_FORWARD, CAPTURE_BACKWARD, CAPTURE_WGRAD, DROP_CAPTURE, RELEASE = "F", "B", "W", "X", "R"
-#: Where a static buffer comes from: the pass's own, a shared slot, another pass's buffer, none,
-#: a new clone of the sample (its memory is another input leaf's or a parameter's too).
-OWN, SLOT, CHAINED, NO_BUFFER, FRESH = "o", "s", "c", "-", "n"
-#: How a parameter grad reaches ``.grad``: owned clone, lent static buffer, clone + pool release.
-GRAD_CLONE, GRAD_LEND, GRAD_TRANSIENT = "c", "l", "t"
 
 
 class ScheduleError(ValueError):
@@ -111,10 +96,10 @@ def encode_layers(layers: Any) -> str:
 
 
 class Step(NamedTuple):
-    """One schedule step: kind ("F", "B", "W"), the graphed pass, its callable, the ``_order``
-    entry it expands (-1 without ``_order``), chunk (1-based), layer, microbatch."""
+    """One schedule step: its kind, the graphed pass, its callable, the ``_order`` entry it
+    expands (-1 without ``_order``), chunk (1-based), layer, microbatch."""
 
-    kind: str
+    kind: StepKind
     pass_index: int
     callable_index: int
     entry: int
@@ -145,7 +130,7 @@ class Schedule:
             return f"_order entry {entry} ({self.order[entry]!r})"
         return "the default schedule"
 
-    def step_entry(self, pass_index: int, kind: str) -> str | None:
+    def step_entry(self, pass_index: int, kind: StepKind) -> str | None:
         """How messages name the ``_order`` entry of the pass's step of ``kind`` (None without
         ``_order``)."""
         if not self.ordered:
@@ -210,11 +195,11 @@ def _decode_schedule(handle: int, text: str, order: tuple[Any, ...]) -> Schedule
     steps = []
     for line in lines[1:]:
         k, *nums = line.split()
-        steps.append(Step(k, *(int(x) for x in nums)))
+        steps.append(Step(StepKind(k), *(int(x) for x in nums)))
     n = int(head["passes"])
     callable_of = [0] * n
     for s in steps:
-        if s.kind == FORWARD_STEP:
+        if s.kind is StepKind.FORWARD:
             callable_of[s.pass_index] = s.callable_index
     return Schedule(
         handle=handle,
@@ -226,47 +211,8 @@ def _decode_schedule(handle: int, text: str, order: tuple[Any, ...]) -> Schedule
         microbatches=int(head["microbatches"]),
         layers=tuple(int(x) for x in head["layers"].split(",") if x),
         callable_of=tuple(callable_of),
-        wgrad_passes=frozenset(s.pass_index for s in steps if s.kind == WGRAD_STEP),
+        wgrad_passes=frozenset(s.pass_index for s in steps if s.kind is StepKind.WGRAD),
     )
-
-
-class Op(NamedTuple):
-    """One op of a program: kind (see the module constants), the pass, and for a release the
-    buffer's role ("o" output, "d" user-input grad, "p" parameter grad) and its index there
-    (output index, user-input leaf, static-surface position)."""
-
-    kind: str
-    pass_index: int
-    role: str = ""
-    buffer: int = -1
-
-
-def _ops(lines: Sequence[list[str]]) -> tuple[Op, ...]:
-    out = []
-    for f in lines:
-        if f[1] == RELEASE:
-            out.append(Op(RELEASE, int(f[3]), f[2], int(f[4])))
-        else:
-            out.append(Op(f[1], int(f[2])))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class WarmupProgram:
-    """The warmup ops in order, and whether warmup allocates in the build's graph pool."""
-
-    ops: tuple[Op, ...]
-    in_pool: bool
-
-
-def prediction_seed(prediction: str) -> int:
-    """The ``seed`` line of the core's memory prediction (docs/CORE_API.md): the bytes a build
-    carves in its own graph pool before the first capture, 0 when none makes the pool smaller."""
-    for line in prediction.splitlines():
-        fields = line.split()
-        if len(fields) == 2 and fields[0] == "seed":
-            return int(fields[1])
-    return 0
 
 
 def warmup_program(
@@ -276,70 +222,23 @@ def warmup_program(
     for the default schedule, in the schedule's order with capture-time ``hooks`` or an
     ``_order``, and in the schedule's order inside the graph pool when the callables make the
     whole training step (``whole_step``: the last one returns the loss) and the build's pool is
-    its own (``own_pool``)."""
+    its own (``own_pool``); with the points where each pass's outputs and zero grads die."""
     text = str(_core.plan_warmup(schedule.handle, int(iters), bool(hooks), bool(whole_step), bool(own_pool)))
-    lines = [ln.split() for ln in text.splitlines() if ln]
-    if not lines or len(lines[0]) != 2 or lines[0][0] != "pool":
-        raise RuntimeError(f"gograph: the core's warmup program starts with {lines[:1]!r}, not a pool line")
-    return WarmupProgram(_ops(lines[1:]), lines[0][1] == "1")
+    return WarmupProgram.decode(text)
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where a static buffer comes from (see the module constants): for a slot, its number; for
-    a chained buffer, the other pass and its output (inputs) or user-input leaf (grad outputs)."""
-
-    kind: str
-    slot: int = -1
-    pass_index: int = -1
-    index: int = -1
+def capture_program(schedule: Schedule, facts: Facts, reuse: bool, chain: bool, release: bool) -> CaptureProgram:
+    """Plans the captures from what warmup learned (``facts``); the core keeps the program with
+    the schedule, where :func:`predict` reads it."""
+    return CaptureProgram.decode(
+        str(_core.plan_capture(schedule.handle, facts.text(), bool(reuse), bool(chain), bool(release)))
+    )
 
 
-@dataclass(frozen=True)
-class CaptureProgram:
-    """A planned capture: ops in order, buffer sources that are not the pass's own (by
-    (pass, leaf) and (pass, output)), parameter-grad policies by (pass, facts entry), slot
-    counts per signature id (buffers, slots, TransformerEngine's FIFO count)."""
-
-    ops: tuple[Op, ...]
-    inputs: dict[tuple[int, int], Source]
-    grad_outputs: dict[tuple[int, int], Source]
-    grad_policy: dict[tuple[int, int], str]
-    sigs: dict[int, tuple[int, int, int]]
-    slots: int
-
-
-def _source(f: list[str]) -> Source:
-    if f[3] == SLOT:
-        return Source(SLOT, slot=int(f[4]))
-    if f[3] == CHAINED:
-        return Source(CHAINED, pass_index=int(f[4]), index=int(f[5]))
-    return Source(f[3])
-
-
-def capture_program(schedule: Schedule, facts: str, reuse: bool, chain: bool, release: bool) -> CaptureProgram:
-    """Plans the captures from ``facts`` (docs/CORE_API.md's format; :mod:`gograph._reuse`
-    writes them)."""
-    text = str(_core.plan_capture(schedule.handle, facts, bool(reuse), bool(chain), bool(release)))
-    ops, inputs, gouts, policy, sigs, slots = [], {}, {}, {}, {}, 0
-    for line in text.splitlines():
-        f = line.split()
-        if not f:
-            continue
-        tag = f[0]
-        if tag == "op":
-            ops.append(f)
-        elif tag == "in":
-            inputs[(int(f[1]), int(f[2]))] = _source(f)
-        elif tag == "gout":
-            gouts[(int(f[1]), int(f[2]))] = _source(f)
-        elif tag == "grad":
-            policy[(int(f[1]), int(f[2]))] = f[3]
-        elif tag == "sig":
-            sigs[int(f[1])] = (int(f[2]), int(f[3]), int(f[4]))
-        elif tag == "slots":
-            slots = int(f[1])
-    return CaptureProgram(_ops(ops), inputs, gouts, policy, sigs, slots)
+def predict(schedule: Schedule, trace: Trace) -> Prediction:
+    """The memory of the captures :func:`capture_program` planned for ``schedule``, over what a
+    warmup allocated (``trace``), through the core's model of the caching allocator."""
+    return Prediction.decode(str(_core.plan_memory(schedule.handle, trace.text())))
 
 
 def megatron_order(

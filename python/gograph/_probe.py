@@ -1,14 +1,15 @@
-"""What one eager warmup iteration shows about a build, for :func:`gograph.plan_memory`.
+"""What a build's warmup shows about its memory: build hooks (:class:`gograph._exec.BuildHooks`).
 
 :class:`WarmupSizes` (both engines) keeps, per pass, the storage sizes of its first warmup
 forward's outputs and of the grads its first warmup backward returned: what the static buffers
-of the real build will hold. :class:`AllocationTrace` (CUDA) adds the caching allocator's alloc
-and free events of every warmup op, read from ``torch.cuda.memory``'s history, and writes them
-as the core's trace (docs/CORE_API.md): a capture allocates what its eager step allocated, so the
-core can replay those events through its allocator model in the capture program's order.
+of the real build will hold (:func:`gograph.plan_memory`). :class:`AllocationTrace` (CUDA) adds
+the caching allocator's alloc and free events of every warmup op, read from
+``torch.cuda.memory``'s history, and writes them as the core's trace (docs/CORE_API.md): a
+capture allocates what its eager step allocated, so the core can replay those events through its
+allocator model in the capture program's order. :class:`SeedTrace` records a build's own warmup
+that way, cheaply, and once the captures are planned asks the core for the pool seed.
 
-Nothing here decides; :func:`probe` drives a :class:`gograph._build.Build` through its first
-phases (passes, warmup, planning) and rolls it back.
+Nothing here decides: the core predicts, and the seed is its choice.
 """
 
 from __future__ import annotations
@@ -17,28 +18,27 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _plan, _reuse, _torch
+from . import _plan, _torch
+from ._exec import Executor, Hooks, ProgramKind
 from ._state import PassState
-from ._warmup import module_buffers_restored
-from .engines import CudaEngine
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ._build import Build
+from ._wire import CaptureProgram, Op, Trace
+from .engines import CudaEngine, Engine
 
 __all__ = [
     "AllocationTrace",
     "CountedTrace",
     "Probe",
+    "SeedTrace",
     "WarmupSizes",
     "first_ops",
     "op_spans",
-    "probe",
     "seed_may_matter",
+    "sizes_recorder",
     "trace_text",
 ]
 
@@ -66,7 +66,7 @@ def seed_may_matter(states: Sequence[PassState]) -> bool:
     return False
 
 
-class WarmupSizes:
+class WarmupSizes(Hooks):
     """Sizes of each pass's outputs and grads, from its first warmup forward and backward.
 
     ``outputs[p][k]``: (storage bytes, dense bytes) of output k -- the static output's storage,
@@ -76,9 +76,6 @@ class WarmupSizes:
     def __init__(self) -> None:
         self.outputs: dict[int, list[tuple[int, int]]] = {}
         self.grads: dict[int, dict[int, int]] = {}
-
-    def op(self, i: int) -> None:
-        pass
 
     def forward(self, i: int, st: PassState) -> None:
         if st.index in self.outputs or st.warm_outputs is None:
@@ -112,6 +109,7 @@ class AllocationTrace(WarmupSizes):
         self.grad_addrs: list[tuple[int, int, int, int]] = []  # (op, pass, surface index, address)
         self.incoming: dict[int, set[int]] = {}  # op -> addresses of the incoming grads it made
         self.entries: list[dict[str, Any]] = []
+        self.ops: tuple[Op, ...] = ()  # the warmup program recorded (as a hook)
         self._base = 0
 
     def __enter__(self) -> AllocationTrace:
@@ -128,6 +126,16 @@ class AllocationTrace(WarmupSizes):
             self.marks = [m - self._base for m in self.marks]
         finally:
             torch.cuda.memory._record_memory_history(None, device=self.device)
+
+    @contextlib.contextmanager
+    def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:
+        """Records while the warmup program runs."""
+        if kind is not ProgramKind.WARMUP:
+            yield
+            return
+        self.ops = tuple(ops)
+        with self:
+            yield
 
     def _device_entries(self) -> list[dict[str, Any]]:
         traces = torch.cuda.memory._snapshot(self.device)["device_traces"]
@@ -156,7 +164,7 @@ class AllocationTrace(WarmupSizes):
             ]
         super().backward(i, st, incoming, grads)
 
-    def text(self, ops: Sequence[_plan.Op]) -> str:
+    def text(self, ops: Sequence[Op]) -> Trace:
         """The core's trace of the recorded warmup (``ops``: the warmup program it ran)."""
         return trace_text(ops, self.entries, self.marks, self.incoming, self.out_addrs, self.grad_addrs)
 
@@ -172,7 +180,7 @@ class CountedTrace(AllocationTrace):
     that count, and :attr:`complete` says so -- the trace is then not the warmup's, and a build
     plans without it."""
 
-    def __init__(self, device: torch.device, ops: Sequence[_plan.Op] | None = None) -> None:
+    def __init__(self, device: torch.device, ops: Sequence[Op] | None = None) -> None:
         super().__init__(device)
         self.exact: set[int] | None = None  # every op's mark is exact without a program
         self.until: int | None = None
@@ -217,7 +225,7 @@ class CountedTrace(AllocationTrace):
         return (actions.count("alloc"), actions.count("free_completed")) == self._counted
 
 
-def first_ops(ops: Sequence[_plan.Op]) -> tuple[set[int], int]:
+def first_ops(ops: Sequence[Op]) -> tuple[set[int], int]:
     """Where a warmup program's marks must be exact -- at each first (kind, pass) op and right
     after it -- and the op after the last first one (where the recording may stop)."""
     first: dict[tuple[str, int], int] = {}
@@ -239,19 +247,19 @@ def op_spans(
 
 
 def trace_text(
-    ops: Sequence[_plan.Op],
+    ops: Sequence[Op],
     entries: Sequence[dict[str, Any]],
     marks: Sequence[int],
     incoming: dict[int, set[int]],
     out_addrs: Sequence[tuple[int, int, int, int]],
     grad_addrs: Sequence[tuple[int, int, int, int]],
-) -> str:
+) -> Trace:
     """Writes allocator history ``entries`` (dicts with ``action``, ``addr``, ``size``) as the
     core's trace: ``marks[i]`` is the entry index at which op i began (``marks[len(ops)]`` the
     end); allocations of the incoming grads an op made, and those never freed, are between ops
     (the real build allocates grad-output buffers outside the pool, and finds caches made);
     output and grad addresses name the block live at their op's end."""
-    lines: list[Any] = [f"step {i} {op.kind} {op.pass_index}" for i, op in enumerate(ops)]
+    lines: list[Any] = [f"step {i} {op.kind.value} {op.pass_index}" for i, op in enumerate(ops)]
     live: dict[int, int] = {}
     allocs: dict[int, list[Any]] = {}
     for i, span in op_spans(entries, marks, len(ops)):
@@ -272,67 +280,91 @@ def trace_text(
     # gograph's side stream, ...): it adds to the warmup's peak, and a capture finds it made.
     for bid in live.values():
         allocs[bid][3] = -1
-    lines = [" ".join(map(str, ln)) if isinstance(ln, list) else ln for ln in lines]
-    return "\n".join(lines) + "\n"
+    return Trace(tuple(" ".join(map(str, ln)) if isinstance(ln, list) else ln for ln in lines))
 
 
 @dataclass
 class Probe:
-    """What :func:`probe` learned: the passes (with what warmup set on them), the capture
-    program, the signatures, the sizes, and on CUDA the trace text (None elsewhere, or when the
-    caller records allocator history already)."""
+    """What a build run until planned learned (:func:`gograph.plan_memory`): the passes (with
+    what warmup set on them), the capture program, whether pool buffers are released, the
+    sizes, and on CUDA the trace (None elsewhere, or when the caller records allocator history
+    already)."""
 
     states: list[PassState]
-    program: _plan.CaptureProgram
-    facts: str
+    program: CaptureProgram
     release: bool
     sizes: WarmupSizes
-    trace: str | None
+    trace: Trace | None
 
 
-def probe(build: Build) -> Probe:
-    """Runs ``build``'s first phases -- passes, one warmup iteration (the request's
-    ``num_warmup_iters`` must be 1), planning -- and rolls it back: passes dropped, generator
-    state and module buffers restored. Captures nothing."""
-    req, engine = build.req, build.engine
-    rng = engine.get_rng_state()
-    build.stats = _observe_stats(engine)
-    sizes: WarmupSizes = WarmupSizes()
-    ops = _plan.warmup_program(build.schedule, 1, req.hooks.hooks is not None).ops  # what build._warmup runs
-    try:
-        with module_buffers_restored(req.callables):
-            build._create_passes()
-            with _recording(engine) as recorder:
-                sizes = recorder if recorder is not None else sizes
-                build._warmup(observer=sizes)
-            release = isinstance(engine, CudaEngine)
-            facts = _reuse.facts_text(build.states, _reuse.Signatures(), req.clone_param_grads)
-            program = _plan.capture_program(build.schedule, facts, req.reuse, req.chain, release)
-            trace = recorder.text(ops) if recorder is not None else None
-            return Probe(list(build.states), program, facts, release, sizes, trace)
-    finally:
-        build.rollback(rng)
-
-
-def _observe_stats(engine: Any) -> Any:
-    from ._observe import BuildStats
-
-    return BuildStats.begin(engine)
-
-
-@contextlib.contextmanager
-def _recording(engine: Any) -> Iterator[AllocationTrace | None]:
-    """An allocation trace on the CUDA engine, unless the process records allocator history
-    already (its ring buffer and settings are the caller's: nothing is recorded then)."""
+def sizes_recorder(engine: Engine) -> WarmupSizes:
+    """The hook ``plan_memory`` records its warmup with: an allocation trace on the CUDA engine,
+    unless the process records allocator history already (its ring buffer and settings are the
+    caller's: then sizes only)."""
     if not isinstance(engine, CudaEngine):
-        yield None
-        return
+        return WarmupSizes()
     if _torch.allocator_history_enabled():
         log.warning(
             "plan_memory: torch.cuda.memory history is already being recorded; the pool "
             "predictions need their own recording and are left out (stop recording to get them)"
         )
-        yield None
-        return
-    with AllocationTrace(engine.device) as rec:
-        yield rec
+        return WarmupSizes()
+    return AllocationTrace(engine.device)
+
+
+class SeedTrace(Hooks):
+    """The pool seed of a build (CUDA, its own pool): records its warmup outside the pool as the
+    core's trace (:class:`CountedTrace`: the ops up to the last first one, which the captures
+    replay), and once the captures are planned asks the core for the seed, which the build carves
+    before its first capture. Nothing is recorded when warmup runs in the pool, when the process
+    records allocator history already (its buffer and settings are the caller's), or when every
+    sample and parameter is a small-pool request (:func:`seed_may_matter`)."""
+
+    def __init__(self) -> None:
+        self.recorder: CountedTrace | None = None
+        self.trace: Trace | None = None
+
+    @contextlib.contextmanager
+    def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:
+        device = build.device
+        if (
+            kind is not ProgramKind.WARMUP
+            or device is None
+            or build.warm_pool is not None
+            or build.req.pool is not None
+            or _torch.allocator_history_enabled()
+            or not seed_may_matter(build.states)
+        ):
+            yield
+            return
+        with CountedTrace(device, ops) as rec:
+            self.recorder = rec
+            try:
+                yield
+            finally:
+                self.recorder = None
+        if rec.complete:
+            self.trace = rec.text(ops[: rec.until])
+        else:
+            log.debug("a free deferred past a warmup op; planning without the pool seed")
+
+    @property
+    def watching(self) -> bool:
+        """Whether it records the program underway."""
+        return self.recorder is not None
+
+    def op(self, i: int) -> None:
+        if self.recorder is not None:
+            self.recorder.op(i)
+
+    def forward(self, i: int, st: PassState) -> None:
+        if self.recorder is not None:
+            self.recorder.forward(i, st)
+
+    def backward(self, i: int, st: PassState, incoming: Sequence[Any], grads: Sequence[tuple[Any, Any]]) -> None:
+        if self.recorder is not None:
+            self.recorder.backward(i, st, incoming, grads)
+
+    def planned(self, build: Executor, program: CaptureProgram) -> None:
+        if self.trace is not None:  # the core models the captures it planned over what warmup allocated
+            build.seed = _plan.predict(build.schedule, self.trace).seed

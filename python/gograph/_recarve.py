@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from . import _core, _plan, _torch
+from . import _core, _torch
+from ._exec import Executor, Hooks, ProgramKind
 from ._handouts import WATCH
 from ._probe import AllocationTrace, op_spans
 from ._state import PassState
+from ._wire import Op
+from .engines import CudaEngine
 
-__all__ = ["CaptureRecorder", "recording", "send", "specs"]
+__all__ = ["CaptureRecorder", "DebugRecorder", "send", "specs"]
 
 log = logging.getLogger("gograph")
-
-_KIND_OF_OP = {_plan.CAPTURE_FORWARD: 0, _plan.CAPTURE_BACKWARD: 1, _plan.CAPTURE_WGRAD: 2}
-_KIND_NAMES = ("forward", "backward", "weight-gradient pass")
 
 Graph = tuple[int, int]  # (pass id, kind)
 Spec = dict[str, Any]  # name, writes [(start, end)], reads [(start, end, producer, what)], handouts
@@ -64,35 +64,68 @@ class CaptureRecorder(AllocationTrace):
             yield
 
 
-@contextlib.contextmanager
-def recording(engine: Any, debug: bool) -> Iterator[CaptureRecorder | None]:
-    """A recorder around the captures in debug mode on CUDA, unless the process records allocator
-    history already (then the capture-order guard checks the replays)."""
-    from .engines import CudaEngine
+class DebugRecorder(Hooks):
+    """The build hook of debug mode on CUDA: records the captures (:class:`CaptureRecorder`) and,
+    once the passes are sealed and guarded, hands the core every graph's spec. Records nothing
+    without debug mode, on the eager engine, or when the process records allocator history
+    already (then the capture-order guard checks the replays)."""
 
-    if not debug or not isinstance(engine, CudaEngine):
-        yield None
-        return
-    if _torch.allocator_history_enabled():
-        log.info("allocator history is already recorded; debug replays are checked in capture order")
-        yield None
-        return
-    rec = CaptureRecorder(engine.device)
-    with rec:
-        yield rec
+    def __init__(self) -> None:
+        self.recorder: CaptureRecorder | None = None
+        self.recorded: CaptureRecorder | None = None
+
+    @contextlib.contextmanager
+    def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:
+        engine = build.engine
+        if kind is not ProgramKind.CAPTURE or not build.debug or not isinstance(engine, CudaEngine):
+            yield
+            return
+        if _torch.allocator_history_enabled():
+            log.info("allocator history is already recorded; debug replays are checked in capture order")
+            yield
+            return
+        rec = CaptureRecorder(engine.device)
+        with rec:
+            self.recorder = rec
+            try:
+                yield
+            finally:
+                self.recorder = None
+        self.recorded = rec
+
+    @property
+    def watching(self) -> bool:
+        """Whether it records the program underway."""
+        return self.recorder is not None
+
+    def op(self, i: int) -> None:
+        if self.recorder is not None:
+            self.recorder.op(i)
+
+    def capturing_forward(self, st: PassState) -> contextlib.AbstractContextManager[Any]:
+        return self.recorder.saving(st) if self.recorder is not None else contextlib.nullcontext()
+
+    def finished(self, build: Executor, failed: bool) -> None:
+        rec, self.recorded = self.recorded, None
+        if rec is not None and not failed and build.program is not None:
+            send(specs(rec, build.program.ops, build.states))
 
 
-def specs(rec: CaptureRecorder, ops: Sequence[_plan.Op], states: Sequence[PassState]) -> dict[Graph, Spec]:
+def specs(rec: CaptureRecorder, ops: Sequence[Op], states: Sequence[PassState]) -> dict[Graph, Spec]:
     """Per captured graph, what it writes and reads (see the module docstring)."""
     out: dict[Graph, Spec] = {}
     live: dict[int, tuple[int, Graph]] = {}  # block address -> (size, the graph whose capture allocated it)
+    # per pass, the blocks its forward saved as they were when the forward was captured: a backward
+    # frees what autograd saved, and a later allocation at that address is another block
+    saved: dict[int, dict[int, tuple[int, Graph]]] = {}
     for i, span in op_spans(rec.entries, rec.marks, len(ops)):
         g: Graph | None = None
-        if i >= 0 and ops[i].kind in _KIND_OF_OP:
-            st = states[ops[i].pass_index]
-            g = (st.pass_id, _KIND_OF_OP[ops[i].kind])
-            out[g] = {"name": f'pass {st.pass_id} ("{st.spec.label}") {_KIND_NAMES[g[1]]}', "writes": [],
-                      "reads": _reads(rec, st, g[1], live), "handouts": []}  # fmt: skip
+        kind = ops[i].kind.graph if i >= 0 else None  # type: ignore[union-attr]
+        st = states[ops[i].pass_index] if kind is not None else None
+        if kind is not None and st is not None and st.seq[kind]:  # (0: not captured, as a backward no output needs)
+            g = (st.pass_id, int(kind))
+            out[g] = {"name": f'pass {st.pass_id} ("{st.spec.label}") {kind.noun}', "writes": [],
+                      "reads": _reads(rec, st, g[1], live, saved.get(st.index, {})), "handouts": []}  # fmt: skip
         for e in span:
             action, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
             if action == "alloc" and g is not None:
@@ -100,6 +133,8 @@ def specs(rec: CaptureRecorder, ops: Sequence[_plan.Op], states: Sequence[PassSt
                 out[g]["writes"].append((addr, addr + max(size, 1)))
             elif action == "free_completed":
                 live.pop(addr, None)
+        if g is not None and st is not None and g[1] == 0:
+            saved[st.index] = {a: live[a] for a, _ in rec.saved.get(st.index, []) if a in live}
     for st in states:  # what was released is known once every capture ran
         for g, handouts in _handouts(st):
             if g in out:
@@ -120,13 +155,26 @@ def _handouts(st: PassState) -> list[tuple[Graph, list[tuple[int, int, int, str]
     return [((st.pass_id, 0), outs), ((st.pass_id, 1), grads)]
 
 
-def _reads(rec: CaptureRecorder, st: PassState, kind: int, live: dict[int, tuple[int, Graph]]) -> list[Any]:
-    """The pool blocks, live now, that the graph about to be captured reads, with their producers."""
+def _reads(
+    rec: CaptureRecorder,
+    st: PassState,
+    kind: int,
+    live: dict[int, tuple[int, Graph]],
+    saved: dict[int, tuple[int, Graph]],
+) -> list[Any]:
+    """The pool blocks, live now, that the graph about to be captured reads, with their producers.
+    What the forward saved counts while its block lives (``saved``: the blocks as the forward left
+    them): the backward frees autograd's saved tensors, so a weight-gradient graph reads only
+    those its work kept."""
     wanted: list[tuple[int, int, str]] = []
     if kind == 0:
         wanted += [(*_storage(st.flat_args[j]), f"its chained input {j}") for j in sorted(st.chained_inputs)]
     else:  # (a chained grad output is no read: a replay copies the incoming grad in unless it is that buffer)
-        wanted += [(a, n, f"what pass {st.pass_id}'s forward saved") for a, n in rec.saved.get(st.index, [])]
+        wanted += [
+            (a, n, f"what pass {st.pass_id}'s forward saved")
+            for a, n in rec.saved.get(st.index, [])
+            if a not in live or live[a] is saved.get(a)
+        ]
     if kind == 2:  # the weight-gradient work its backward stashed: the incoming grads it was given
         wanted += [
             (*_storage(g), f"the incoming grad of output {k} (its backward's)")

@@ -5,22 +5,23 @@ The core (:func:`gograph._plan.capture_program`) decides, per pass, where each s
 each grad-output buffer comes from (the pass's own, a slot shared by liveness with
 ``_reuse_graph_input_output_buffers``, or, with ``chain_buffers``, the previous layer's output /
 the next layer's input grad), when each pool buffer dies, and how each parameter grad reaches
-``.grad``. This module writes the facts (:func:`facts_text`), backs slots with tensors
+``.grad``. This module writes the facts (:func:`facts`), backs slots with tensors
 (:func:`slot_tensors`), and hands dead pool buffers back (:func:`release`). Nothing here decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _plan, _torch
+from . import _torch
+from ._kinds import BufferSource, CaptureOp, GradPolicy, ReleaseRole
 from ._regions import sample_regions
+from ._wire import CaptureProgram, Facts, Op
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._state import PassState
@@ -28,10 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "BufferReuse",
     "Signatures",
-    "facts_text",
+    "facts",
     "grad_output_slot",
     "release",
-    "replace_leaves",
     "signature_text",
     "slot_eligible",
     "slot_tensors",
@@ -93,7 +93,7 @@ class Signatures:
         return signature_text(inverse[sig_id])
 
 
-def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads: bool) -> str:
+def facts(states: Sequence[PassState], sigs: Signatures, clone_param_grads: bool) -> Facts:
     """What warmup learned about each pass, in the core's facts format (docs/CORE_API.md)."""
     occurrences: dict[int, int] = {}
     params: set[int] = set()
@@ -126,16 +126,16 @@ def facts_text(states: Sequence[PassState], sigs: Signatures, clone_param_grads:
                 if prm.requires_grad and not getattr(prm, "skip_backward_post_hook", False):
                     pid = param_ids.setdefault(id(prm), len(param_ids))
                     lines.append(f"pg {p} {n + k} {pid} {sigs.id(tensor_signature(prm))}")
-    return "\n".join(lines) + "\n"
+    return Facts(tuple(lines))
 
 
-def slot_tensors(states: Sequence[PassState], program: _plan.CaptureProgram) -> dict[int, Tensor]:
+def slot_tensors(states: Sequence[PassState], program: CaptureProgram) -> dict[int, Tensor]:
     """The slots inputs use: the sample tensor of the first pass whose input uses it. A slot only
     grad outputs use is made when the first backward using it is captured
     (:func:`grad_output_slot`)."""
     backing: dict[int, Tensor] = {}
     for (p, j), src in sorted(program.inputs.items()):
-        if src.kind == _plan.SLOT and src.slot not in backing:
+        if src.kind is BufferSource.SLOT and src.slot not in backing:
             backing[src.slot] = states[p].flat_args[j]
     return backing
 
@@ -151,26 +151,19 @@ def grad_output_slot(slots: dict[int, Tensor], slot: int, st: PassState, k: int)
     return t
 
 
-def replace_leaves(tree: Any, replacements: Mapping[int, Tensor]) -> Any:
-    """``tree`` with leaf i replaced by ``replacements[i]``."""
-    leaves, spec = pytree.tree_flatten(tree)
-    for i, t in replacements.items():
-        leaves[i] = t
-    return pytree.tree_unflatten(leaves, spec)
-
-
 def _weak(t: Tensor) -> Tensor:
     return _torch.nonowning_view(t).requires_grad_(t.requires_grad)
 
 
-def release(op: _plan.Op, states: Sequence[PassState]) -> None:
+def release(op: Op, states: Sequence[PassState]) -> None:
     """Drops gograph's owning references to a pool buffer the core proved dead, keeping
     non-owning views for the graphs' static tensors (later captures may reuse its memory). A
     chained buffer has two holders -- an output and the next layer's static input, or a user
     input's grad and the previous layer's grad output: both let go."""
     st = states[op.pass_index]
+    assert op.role is not None  # a release op names its buffer's role
     st.released.add((op.role, op.buffer))
-    if op.role == "o":
+    if op.role is ReleaseRole.OUTPUT:
         old = st.static_outputs[op.buffer]
         st.static_outputs = _replaced(st.static_outputs, op.buffer, _weak(old))
         for other in states:  # chained consumers read it as their static input
@@ -218,7 +211,7 @@ class BufferReuse:
     lent_param_grads: int = 0
 
     @classmethod
-    def of(cls, program: _plan.CaptureProgram, sigs: Signatures) -> BufferReuse:
+    def of(cls, program: CaptureProgram, sigs: Signatures) -> BufferReuse:
         signatures = {
             sigs.text(s): {"buffers": b, "slots": n, "te_fifo": te} for s, (b, n, te) in sorted(program.sigs.items())
         }
@@ -227,11 +220,11 @@ class BufferReuse:
             slots=program.slots,
             te_fifo=sum(d["te_fifo"] for d in signatures.values()),
             buffers=sum(d["buffers"] for d in signatures.values()),
-            released=sum(1 for op in program.ops if op.kind == _plan.RELEASE),
+            released=sum(1 for op in program.ops if op.kind is CaptureOp.RELEASE),
             chained=sum(
-                1 for s in (*program.inputs.values(), *program.grad_outputs.values()) if s.kind == _plan.CHAINED
+                1 for s in (*program.inputs.values(), *program.grad_outputs.values()) if s.kind is BufferSource.CHAINED
             ),
-            lent_param_grads=sum(1 for v in program.grad_policy.values() if v == _plan.GRAD_LEND),
+            lent_param_grads=sum(1 for v in program.grad_policy.values() if v is GradPolicy.LEND),
         )
 
     def __repr__(self) -> str:

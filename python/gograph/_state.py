@@ -7,6 +7,7 @@ into a :class:`gograph.graphed.PassResult` when the build succeeds; then it is d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ from ._bodies import ForwardBody
 if TYPE_CHECKING:  # pragma: no cover
     from ._args import PassSpec
 
-__all__ = ["PassState"]
+__all__ = ["PassState", "replace_leaves"]
 
 
 class PassState:
@@ -62,6 +63,9 @@ class PassState:
         self.chained_grad_outputs: set[int] = set()
         self.released: set[tuple[str, int]] = set()  # (role, index) handed back to the pool
         self.seq = [0, 0, 0]  # capture sequence numbers of its forward, backward, weight gradient
+        # per kind, the capture sequence number of the first lending backward whose lent grads
+        # a replay of that graph may overwrite (the core's rule; 0: any)
+        self.lent_from = [0, 0, 0]
 
     @property
     def surface(self) -> tuple[Tensor, ...]:
@@ -112,8 +116,6 @@ class PassState:
 
     def replace_args(self, replacements: dict[int, Tensor]) -> None:
         """Flat leaf j becomes ``replacements[j]`` (a slot or a chained buffer)."""
-        from ._reuse import replace_leaves
-
         if not replacements:
             return
         n = self.spec.n_pos
@@ -129,3 +131,11 @@ class PassState:
             keys = self.spec.kwargs_keys
             values = replace_leaves([self.sample_kwargs[k] for k in keys], kw)
             self.sample_kwargs = dict(zip(keys, values))
+
+
+def replace_leaves(tree: Any, replacements: Mapping[int, Tensor]) -> Any:
+    """``tree`` with leaf i replaced by ``replacements[i]``."""
+    leaves, spec = pytree.tree_flatten(tree)
+    for i, t in replacements.items():
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)

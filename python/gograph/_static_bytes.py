@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _plan
+from ._kinds import BufferSource, CaptureOp, GradPolicy
 from ._probe import Probe
+from ._wire import CaptureProgram
 
 __all__ = ["PassBytes", "count"]
 
@@ -47,8 +48,8 @@ def count(found: Probe, places: dict[tuple[str, int, int], tuple[int, int]] | No
         at = where.get((kind, p, i))
         return (kind, p, i) if at is None else ("pool", *at, nbytes)
 
-    released = {(op.pass_index, op.role, op.buffer) for op in prog.ops if op.kind == _plan.RELEASE}
-    slot_users = {src.slot for (_, _), src in prog.inputs.items() if src.kind == _plan.SLOT}
+    released = {(op.pass_index, op.role, op.buffer) for op in prog.ops if op.kind is CaptureOp.RELEASE}
+    slot_users = {src.slot for (_, _), src in prog.inputs.items() if src.kind is BufferSource.SLOT}
     out: list[PassBytes] = []
     for st in found.states:
         pb = PassBytes(by_category={c: {} for c in ("input", "output", "grad_output", "grad_input")})
@@ -61,45 +62,43 @@ def count(found: Probe, places: dict[tuple[str, int, int], tuple[int, int]] | No
         if st.captures_backward:
             _grad_outputs(pb, st, prog, sizes, slot_users, key)
             _grad_inputs(pb, st, sizes, released, key)
-        pb.lent = sum(1 for (q, _), pol in prog.grad_policy.items() if q == p and pol == _plan.GRAD_LEND)
+        pb.lent = sum(1 for (q, _), pol in prog.grad_policy.items() if q == p and pol is GradPolicy.LEND)
         out.append(pb)
     return out
 
 
-def _inputs(pb: PassBytes, st: Any, prog: _plan.CaptureProgram, sizes: Any, key: Any) -> None:
+def _inputs(pb: PassBytes, st: Any, prog: CaptureProgram, sizes: Any, key: Any) -> None:
     for j, t in enumerate(st.flat_args):
         src = prog.inputs.get((st.index, j))
-        if src is not None and src.kind == _plan.CHAINED:
+        if src is not None and src.kind is BufferSource.CHAINED:
             outs = sizes.outputs.get(src.pass_index, [])
             if src.index < len(outs):
                 nbytes = outs[src.index][0]
                 pb.by_category["input"][key("out", src.pass_index, src.index, nbytes)] = nbytes
                 pb.chained.append(f"input[{j}]")
                 continue
-        if src is not None and src.kind == _plan.FRESH:  # a clone of the sample: new bytes, its elements only
+        if src is not None and src.kind is BufferSource.FRESH:  # a clone of the sample: new bytes, its elements only
             nbytes = t.numel() * t.element_size()
             pb.by_category["input"][("fresh", st.index, j)] = pb.new[("fresh", st.index, j)] = nbytes
             continue
-        own: _Key = ("slot", src.slot) if src is not None and src.kind == _plan.SLOT else ("sample", id(t))
+        own: _Key = ("slot", src.slot) if src is not None and src.kind is BufferSource.SLOT else ("sample", id(t))
         pb.by_category["input"][own] = int(t.untyped_storage().nbytes())
 
 
-def _grad_outputs(
-    pb: PassBytes, st: Any, prog: _plan.CaptureProgram, sizes: Any, slot_users: set[int], key: Any
-) -> None:
+def _grad_outputs(pb: PassBytes, st: Any, prog: CaptureProgram, sizes: Any, slot_users: set[int], key: Any) -> None:
     outs = sizes.outputs.get(st.index, [])
     for k, (_, rg) in enumerate(st.output_meta):
         src = prog.grad_outputs.get((st.index, k))
-        if not rg or k >= len(outs) or (src is not None and src.kind == _plan.NO_BUFFER):
+        if not rg or k >= len(outs) or (src is not None and src.kind is BufferSource.NONE):
             continue
         dense = outs[k][1]
-        if src is not None and src.kind == _plan.CHAINED:
+        if src is not None and src.kind is BufferSource.CHAINED:
             g = sizes.grads.get(src.pass_index, {}).get(src.index)
             if g is not None:
                 pb.by_category["grad_output"][key("grad", src.pass_index, src.index, g)] = g
                 pb.chained.append(f"grad_output[{k}]")
                 continue
-        if src is not None and src.kind == _plan.SLOT:
+        if src is not None and src.kind is BufferSource.SLOT:
             pb.by_category["grad_output"][("slot", src.slot)] = dense
             if src.slot not in slot_users:  # a slot only grad outputs use is a new tensor
                 pb.new[("slot", src.slot)] = dense
@@ -108,7 +107,7 @@ def _grad_outputs(
         pb.new[("gout", st.index, k)] = dense
 
 
-def _grad_inputs(pb: PassBytes, st: Any, sizes: Any, released: set[tuple[int, str, int]], key: Any) -> None:
+def _grad_inputs(pb: PassBytes, st: Any, sizes: Any, released: set[tuple[int, Any, int]], key: Any) -> None:
     n_user = len(st.flat_args)
     for j, nbytes in sorted(sizes.grads.get(st.index, {}).items()):
         k = key("grad", st.index, j, nbytes)

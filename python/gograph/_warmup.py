@@ -1,29 +1,34 @@
-"""The warmup executor: runs the core's warmup program (:func:`gograph._plan.warmup_program`).
+"""The warmup program's ops (:func:`gograph._plan.warmup_program`): one handler per op kind.
 
+:class:`gograph._build.Build` runs the program and calls ``HANDLERS[op.kind](build, i, op)``.
 Warmup keeps lazy initialisation (cuBLAS handles, cudnn benchmarking, ...) out of the captures
 and learns what the captures need: which passes consume generator state, their outputs'
 signatures, which submodules have delayed weight gradients, and (TransformerEngine's rules) which
-parameters get grads. The loop is kept tight (for small layers its per-op Python is a visible
+parameters get grads. The handlers are kept tight (for small layers their Python is a visible
 part of graphing time): generator offsets are read once between ops, output checks run on each
-pass's first forward, zero incoming grads are reused across one pass's consecutive iterations.
+pass's first forward, and a pass's zero incoming grads serve its next backward until the core's
+program says they die.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _plan, _te
 from ._bodies import autograd_grad
+from ._exec import Executor
+from ._kinds import StepKind, WarmOp
 from ._reuse import tensor_signature
 from ._shared_inputs import version_of
 from ._state import PassState
+from ._wire import Op
 
-__all__ = ["check_outputs", "decide_wgrad_without_warmup", "module_buffers_restored", "run_warmup", "warm_forward"]
+__all__ = ["HANDLERS", "check_outputs", "decide_wgrad_without_warmup", "module_buffers_restored", "warm_forward"]
 
 
 def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device | None) -> None:
@@ -40,72 +45,63 @@ def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device
             )
 
 
-class WarmupObserver(Protocol):
-    """Sees every warmup op (``gograph.plan_memory`` records allocations per op): ``op`` before
-    op ``i`` runs and once more with ``i == len(ops)`` at the end, ``forward`` after a forward
-    (its outputs in ``st.warm_outputs``), ``backward`` after a backward with the incoming grads
-    it made and, per tensor of the grad surface it differentiated, (tensor, grad)."""
-
-    def op(self, i: int) -> None: ...
-    def forward(self, i: int, st: PassState) -> None: ...
-    def backward(self, i: int, st: PassState, incoming: Sequence[Any], grads: Sequence[tuple[Any, Any]]) -> None: ...
+def _forward(x: Executor, i: int, op: Op) -> None:
+    st = x.states[op.pass_index]
+    warm_forward(st, x.req.callables[st.spec.callable_index], x.req.hooks, x.device)
+    if x.hooks.per_forward:
+        x.hooks.forward(i, st)
+    x.rng_at = _flag(st, 0, x.rng_at, x.engine.rng_marker())
 
 
-def run_warmup(build: Any, ops: Sequence[_plan.Op], observer: WarmupObserver | None = None) -> None:
-    """Runs ``ops`` (``build`` is the :class:`gograph._build.Build`: states, engine, hooks,
-    callables, and ``current`` for error messages)."""
-    marker = build.engine.rng_marker
-    states, callables, hooks, req = build.states, build.req.callables, build.req.hooks, build.req
-    at = marker()
-    for i, op in enumerate(ops):
-        st: PassState = states[op.pass_index]
-        build.current = st
-        kind = op.kind
-        if observer is not None:
-            observer.op(i)
-        if kind == _plan.WARM_FORWARD:
-            warm_forward(st, callables[st.spec.callable_index], hooks, build.device)
-            if observer is not None:
-                observer.forward(i, st)
-            slot = 0
-        elif kind == _plan.WARM_BACKWARD:
-            st.warm_backwards += 1
-            done = warm_backward(
-                st, callables[st.spec.callable_index], hooks, req.allow_unused_input, st.warm_backwards - 1
-            )
-            st.warm_backward_ran = done is not None
-            if observer is not None and done is not None:
-                observer.backward(i, st, *done)
-            done = None  # the grads die here, as without an observer
-            slot = 1
-        elif kind == _plan.WARM_WGRAD:
-            if st.warm_backward_ran:  # an inference pass has no weight gradient (TransformerEngine's rule)
-                warm_dw(st, build, _plan.WGRAD_STEP, build.schedule.step_entry(st.index, _plan.WGRAD_STEP))
-            at = marker()  # warm_dw accounts for its own generator use
-            continue
-        elif kind == _plan.DROP_INFERENCE:
-            if st.warm_outputs is not None and not any(o.requires_grad for o in st.warm_outputs):
-                st.warm_outputs = st.warm_grads = None  # no backward will consume them
-            continue
-        else:  # the pass's warmup outputs die (and its zero grads, unless its next iteration follows)
-            st.warm_outputs = None
-            if i + 1 >= len(ops) or ops[i + 1].pass_index != st.index:
-                st.warm_grads = None
-            continue
-        at = _flag(st, slot, at, marker())
-        if (
-            kind == _plan.WARM_BACKWARD
-            and st.warm_backward_ran
-            and st.wgrad_modules
-            and st.index not in build.schedule.wgrad_passes
-        ):
-            warm_dw(st, build, _plan.BACKWARD_STEP, build.schedule.step_entry(st.index, _plan.BACKWARD_STEP))
-            at = marker()  # TransformerEngine runs it right after the backward
-    if observer is not None:
-        observer.op(len(ops))
+def _backward(x: Executor, i: int, op: Op) -> None:
+    st, req = x.states[op.pass_index], x.req
+    st.warm_backwards += 1
+    done = warm_backward(
+        st, req.callables[st.spec.callable_index], req.hooks, req.allow_unused_input, st.warm_backwards - 1
+    )
+    st.warm_backward_ran = done is not None
+    if done is not None and x.hooks.per_backward:
+        x.hooks.backward(i, st, *done)
+    done = None  # the grads die here
+    x.rng_at = _flag(st, 1, x.rng_at, x.engine.rng_marker())
+    if st.warm_backward_ran and st.wgrad_modules and st.index not in x.schedule.wgrad_passes:
+        warm_dw(st, x, StepKind.BACKWARD, x.schedule.step_entry(st.index, StepKind.BACKWARD))
+        x.rng_at = x.engine.rng_marker()  # TransformerEngine runs it right after the backward
 
 
-def _flag(st: PassState, slot: int, before: Any, after: Any) -> Any:
+def _wgrad(x: Executor, i: int, op: Op) -> None:
+    st = x.states[op.pass_index]
+    if st.warm_backward_ran:  # an inference pass has no weight gradient (TransformerEngine's rule)
+        warm_dw(st, x, StepKind.WGRAD, x.schedule.step_entry(st.index, StepKind.WGRAD))
+    x.rng_at = x.engine.rng_marker()  # warm_dw accounts for its own generator use
+
+
+def _drop_outputs(x: Executor, i: int, op: Op) -> None:
+    x.states[op.pass_index].warm_outputs = None
+
+
+def _drop_inference(x: Executor, i: int, op: Op) -> None:
+    st = x.states[op.pass_index]
+    if st.warm_outputs is not None and not any(o.requires_grad for o in st.warm_outputs):
+        st.warm_outputs = None  # no backward will consume them
+
+
+def _drop_zero_grads(x: Executor, i: int, op: Op) -> None:
+    x.states[op.pass_index].warm_grads = None
+
+
+#: The handler of each warmup op.
+HANDLERS: dict[WarmOp, Callable[[Executor, int, Op], None]] = {
+    WarmOp.FORWARD: _forward,
+    WarmOp.BACKWARD: _backward,
+    WarmOp.WGRAD: _wgrad,
+    WarmOp.DROP_OUTPUTS: _drop_outputs,
+    WarmOp.DROP_INFERENCE: _drop_inference,
+    WarmOp.DROP_ZERO_GRADS: _drop_zero_grads,
+}
+
+
+def _flag(st: PassState, slot: int, before: Hashable, after: Hashable) -> Hashable:
     if after != before:
         st.rng[slot] = True
     elif st.rng[slot] is None:
@@ -160,7 +156,7 @@ def warm_backward(
     mask = tuple(o.requires_grad for o in outputs)
     if not any(mask):
         return None
-    grads = _zero_grads(st, outputs, mask, hooks.hooks is None)
+    grads = _zero_grads(st, outputs, mask)
     hooks.run("backward_pre_hooks", st.spec.callable_index, func)
     surface = st.grad_surface
     result = autograd_grad(
@@ -176,13 +172,11 @@ def warm_backward(
     return grads, tuple(zip(surface, result))
 
 
-def _zero_grads(
-    st: PassState, outputs: tuple[Tensor, ...], mask: tuple[bool, ...], reuse: bool
-) -> tuple[Tensor | None, ...]:
+def _zero_grads(st: PassState, outputs: tuple[Tensor, ...], mask: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """Zero incoming grads (zeros, not torch's empty_like: uninitialised memory can hold NaNs a
-    hook or anomaly detection would trip on). Without capture-time hooks (which could write
-    them) one pass's buffers serve its consecutive iterations (autograd only reads them)."""
-    prev = st.warm_grads if reuse else None
+    hook or anomaly detection would trip on). Those of the pass's previous backward serve again
+    while the core's program keeps them (autograd only reads them) and they fit."""
+    prev = st.warm_grads
     if (
         prev is not None
         and len(prev) == len(outputs)
@@ -193,25 +187,24 @@ def _zero_grads(
     ):
         return prev
     grads = tuple(torch.zeros_like(o) if m else None for o, m in zip(outputs, mask))
-    if reuse:
-        st.warm_grads = grads
+    st.warm_grads = grads
     return grads
 
 
-def warm_dw(st: PassState, build: Any, kind: str, entry: str | None) -> None:
+def warm_dw(st: PassState, x: Executor, kind: StepKind, entry: str | None) -> None:
     """Runs the pass's delayed weight-gradient work and checks it against the schedule: ``kind``
-    is the step ("B" for a backward without a paired ``-(c+0.5)`` entry, "W" for such an entry),
-    ``entry`` names it (None without ``_order``)."""
+    is the step (a backward without a paired ``-(c+0.5)`` entry, or such an entry), ``entry``
+    names it (None without ``_order``)."""
     mods = list(st.wgrad_modules.values())
     need = any(m.need_backward_dw() for m in mods)
-    if entry is not None and kind == _plan.WGRAD_STEP and not need:
+    if entry is not None and kind is StepKind.WGRAD and not need:
         raise _plan.ScheduleError(
             f"gograph: {entry}: a weight-gradient entry for pass {st.index} ({st.spec.label}), but no submodule "
             "that ran in its forward needs a delayed weight gradient (none defines need_backward_dw() and "
             'backward_dw() with need_backward_dw() True). TransformerEngine: "No module needs wgrad computation '
             'but get float in order"'
         )
-    if entry is not None and kind == _plan.BACKWARD_STEP and need:
+    if entry is not None and kind is StepKind.BACKWARD and need:
         names = sorted({type(m).__name__ for m in mods if m.need_backward_dw()})
         raise _plan.ScheduleError(
             f"gograph: {entry}: pass {st.index} ({st.spec.label}) needs a delayed weight gradient "
@@ -222,11 +215,11 @@ def warm_dw(st: PassState, build: Any, kind: str, entry: str | None) -> None:
     st.need_dw = need
     if not need:
         return
-    before = build.engine.rng_marker()
+    before = x.engine.rng_marker()
     for m in mods:
         if m.need_backward_dw():
             m.backward_dw()
-    if build.engine.rng_marker() != before:
+    if x.engine.rng_marker() != before:
         st.rng[2] = True
     elif st.rng[2] is None:
         st.rng[2] = False

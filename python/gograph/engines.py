@@ -14,7 +14,8 @@ lifecycle rules and the pool counts are the core's on both: a reset releases exa
 references the pass's captures took, and the core says how many. Engines execute; they decide
 nothing the core can.
 
-Pass kinds (the core's numbering): :data:`FORWARD` = 0, :data:`BACKWARD` = 1, :data:`WGRAD` = 2.
+Pass kinds (the core's numbering, :class:`gograph._kinds.GraphKind`): :data:`FORWARD` = 0,
+:data:`BACKWARD` = 1, :data:`WGRAD` = 2 (plain ints: the replay path passes them to the core).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import gc
-import itertools
 import logging
 import threading
 import weakref
@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from . import _capture_state, _core, _native, _observe, _torch
+from ._kinds import GraphKind
+from ._pool import EagerPool
 from ._rng import RngCompanions, _OnStream
 from ._warn import warn_user
 
@@ -53,8 +55,9 @@ __all__ = [
 
 log = logging.getLogger("gograph")
 
-FORWARD, BACKWARD, WGRAD = 0, 1, 2
-KIND_NAMES = _observe.KIND_NAMES
+FORWARD, BACKWARD, WGRAD = (int(k) for k in GraphKind)
+#: Report names of the kinds ("forward", "backward", "wgrad"), by kind number.
+KIND_NAMES = {int(k): k.key for k in GraphKind}
 CAPTURE_MODE_GLOBAL = 0  # CUstreamCaptureMode, as torch.cuda.graph's default
 
 Body = Callable[..., Sequence["torch.Tensor | None"]]
@@ -414,7 +417,7 @@ class CudaEngine(Engine):
         # (RNG companion: then a core ordering call before it), one core call.
         if _torch.is_current_stream_capturing():
             raise RuntimeError(
-                f"gograph: cannot replay the {KIND_NAMES.get(kind, kind)} graph of pass {pass_id} while the "
+                f"gograph: cannot replay the {_noun(kind)} graph of pass {pass_id} while the "
                 "current CUDA stream is capturing (inside torch.cuda.graph or another "
                 "make_graphed_callables capture): a graphed callable cannot run inside a second capture. "
                 "Graph the callables together in one make_graphed_callables call, or run the original "
@@ -587,27 +590,6 @@ def _cuda_device(device: torch.device | int | str | None) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 # Eager (CPU reference)
 # ---------------------------------------------------------------------------------------------
-def _is_cuda_pool_token(pool: Any) -> bool:
-    """``torch.cuda.graph_pool_handle()``'s token: a pair of non-negative ints, not (0, 0) (torch's
-    id of no pool)."""
-    return (
-        isinstance(pool, tuple) and len(pool) == 2 and all(type(x) is int and x >= 0 for x in pool) and pool != (0, 0)
-    )
-
-
-class EagerPool:
-    """Opaque pool token of the eager engine (it allocates nothing from pools; the core counts
-    the references captures take so that release can be checked)."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self) -> None:
-        self.id: int = next(EagerPool._ids)
-
-    def __repr__(self) -> str:
-        return f"EagerPool({self.id})"
-
-
 @dataclass
 class _EagerEntry:
     """One recorded kind of an eager pass."""
@@ -670,17 +652,6 @@ class EagerEngine(Engine):
 
     def new_pool(self) -> Hashable:
         return EagerPool()
-
-    def check_pool(self, pool: Any) -> None:
-        """The eager engine takes its own tokens (``gograph.graph_pool_handle()`` without CUDA) and,
-        on a machine with CUDA, the ``(int, int)`` token ``graph_pool_handle()`` returns there: calls
-        that pass the same token share one pool, whichever engine runs them."""
-        if pool is None or isinstance(pool, EagerPool) or _is_cuda_pool_token(pool):
-            return
-        raise TypeError(
-            f"gograph: pool must be a token from gograph.graph_pool_handle() (an EagerPool on the eager "
-            f"engine) or None, got {pool!r}"
-        )
 
     def new_pass(self, index: int, label: str) -> int:
         pass_id = super().new_pass(index, label)
@@ -762,7 +733,7 @@ class EagerEngine(Engine):
 
 
 def _copy_into_static(pass_id: int, kind: int, static: tuple[torch.Tensor | None, ...], new: tuple[Any, ...]) -> None:
-    what = KIND_NAMES.get(kind, kind)
+    what = _noun(kind)
     if len(new) != len(static):
         raise RuntimeError(
             f"gograph eager engine: {what} replay of pass {pass_id} produced {len(new)} results, "
@@ -854,3 +825,11 @@ def _warn_eager_beside_cuda() -> None:
         "available; move the module and the samples to the GPU (.cuda()) to capture CUDA graphs, or pass "
         "engine='eager' to choose the eager engine explicitly"
     )
+
+
+def _noun(kind: int) -> str:
+    """How messages call a graph of ``kind`` (the number itself when it is none)."""
+    try:
+        return GraphKind(kind).noun
+    except ValueError:
+        return str(kind)

@@ -33,10 +33,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import _core, _plan, _torch
+from . import _core, _torch
 from ._bodies import RUNNING, flat_tuple_spec
 from ._grad_pack import owned_copies
 from ._handouts import WATCH
+from ._kinds import GradPolicy
+from ._marks import GraphedMark
 from ._shared_inputs import SharedInput
 from .engines import BACKWARD, CAPTURE_STATE, FORWARD, WGRAD, CudaEngine, Engine
 
@@ -80,8 +82,11 @@ class PassResult:
     separated_inputs: frozenset[int] = frozenset()  # a clone of the sample (it shares memory)
     released_outputs: frozenset[int] = frozenset()  # pool-planned: handed back, not owned
     released_grad_inputs: frozenset[int] = frozenset()
-    grad_policy: dict[int, str] = field(default_factory=dict)  # surface index -> _plan.GRAD_*
+    grad_policy: dict[int, GradPolicy] = field(default_factory=dict)  # surface index -> its policy
     seq: tuple[int, int, int] = (0, 0, 0)  # capture sequence numbers of its forward, backward, weight gradient
+    # per graph kind, the capture sequence number from which lending backwards' lent grads are
+    # memory its replay may overwrite (the core's rule; 0: any)
+    lent_from: tuple[int, int, int] = (0, 0, 0)
     shared_inputs: dict[int, SharedInput] = field(default_factory=dict)  # leaf -> its shared buffer's guard
     shared_grad_outputs: frozenset[int] = frozenset()  # outputs whose grad-output buffer other passes use too
 
@@ -132,7 +137,7 @@ class _GradSlot:
 
     def __init__(self, index: int, param: torch.nn.Parameter, policy: str, static: Tensor, label: str) -> None:
         self.index, self.param, self.policy, self.static, self.label = index, param, policy, static, label
-        self.storage: torch.UntypedStorage | None = static.untyped_storage() if policy == _plan.GRAD_LEND else None
+        self.storage: torch.UntypedStorage | None = static.untyped_storage() if policy is GradPolicy.LEND else None
         self.baseline = _torch.storage_use_count(self.storage) if self.storage is not None else 0
         self.data_ptr = static.data_ptr()
         self.learned = _UNKNOWN
@@ -153,11 +158,15 @@ class LentGrads:
     lends from its next backward); if one is, or a later backward finds ``.grad`` to accumulate
     into, the caller keeps them (owned copies from then on, which AccumulateGrad keeps in place).
 
-    Before any replay of a graph whose capture sequence number is at most a lending backward's,
+    Which replays may overwrite a lent buffer is the core's rule (``internal/lifetime``'s
+    ``lentOverwrites``): a graph captured before the lending backward, or that backward itself,
+    may, a graph captured after it cannot; the core gives each graph, as a capture sequence
+    number, the first lending backward it may overwrite (``lent_from``). Before such a replay,
     each lent buffer still held by anything but gograph is copied out (a caller that changed its
     pattern): the tensor the backward returned gets an owned copy, seen by every holder of that
     tensor object, and the slot stops lending; a holder gograph cannot redirect (a view of an old
-    ``.grad``) raises RuntimeError instead of letting the replay change it."""
+    ``.grad``) raises RuntimeError instead of letting the replay change it. This registry keeps
+    only that check: whether anything but gograph still holds the buffer."""
 
     __slots__ = ("entries", "lock", "newest")
 
@@ -173,16 +182,17 @@ class LentGrads:
             self.entries.extend(_Lent(seq, pass_id, slot, handed, is_lent) for slot, handed, is_lent in lent)
             self.newest = max(self.newest, seq)
 
-    def sweep(self, seq: int) -> None:
-        """Before replaying a graph captured as ``seq``: copy out what it could overwrite, and
-        learn from the watched copies."""
-        if self.newest < seq:
-            return  # every lending backward was captured before that graph (the backwards' order)
+    def sweep(self, lent_from: int) -> None:
+        """Before replaying a graph whose replay may overwrite the grads lent by backwards captured
+        at sequence ``lent_from`` or later (the core's answer): copy out what it could overwrite,
+        and learn from the watched copies."""
+        if self.newest < lent_from:
+            return  # the core says this graph overwrites none of what is lent now
         with self.lock:
             keep = []
             for e in self.entries:
-                if e.seq < seq:
-                    keep.append(e)  # captured after that graph: no block of it was free then
+                if e.seq < lent_from:
+                    keep.append(e)  # the core says this graph cannot overwrite it
                 elif not e.lent:
                     kept = e.slot.param.grad is not None
                     e.slot.learned = _KEPT if kept or e.slot.learned == _KEPT else _DROPPED
@@ -249,7 +259,7 @@ def lent_grads(pool_key: str) -> LentGrads:
 # ---------------------------------------------------------------------------------------------
 # The graphed callable
 # ---------------------------------------------------------------------------------------------
-class GraphedCallable:
+class GraphedCallable(GraphedMark):
     """One graphed pass: its static buffers, called like the original callable.
 
     Calling it copies the user args into the static inputs (skipped when an arg *is* its static
@@ -367,9 +377,10 @@ class GraphedCallable:
         start = {None: _UNKNOWN, True: _DROPPED, False: _KEPT}[shared.lend_param_grads]
         for s in self._param_grad_slots:
             s.learned = start
-        self.lent_param_grads = sum(1 for s in self._param_grad_slots if s.policy == _plan.GRAD_LEND)
+        self.lent_param_grads = sum(1 for s in self._param_grad_slots if s.policy is GradPolicy.LEND)
         self._lent = shared.lent if self.lent_param_grads else None
-        self._fwd_seq, self._bwd_seq, self._wgrad_seq = result.seq
+        self._bwd_seq = result.seq[1]
+        self._fwd_lent_from, self._bwd_lent_from, self._wgrad_lent_from = result.lent_from
 
     # -- introspection ------------------------------------------------------------------------
     @property
@@ -557,7 +568,7 @@ class GraphedCallable:
         if self._released:
             self._raise_reset()
         if lent is not None and lent.entries:
-            lent.sweep(self._fwd_seq)
+            lent.sweep(self._fwd_lent_from)
         for i, (static, shape, dtype, device, chained, guard) in enumerate(sig):
             new = inputs[i]
             if new is not static:
@@ -601,7 +612,7 @@ class GraphedCallable:
         if len(grads) != len(static_grad_outputs):
             raise AssertionError(f"len(grads)={len(grads)} != len(static_grad_outputs)={len(static_grad_outputs)}")
         if lent is not None and lent.entries:
-            lent.sweep(self._bwd_seq)
+            lent.sweep(self._bwd_lent_from)
         if self._order_copy_in is not None:
             self._order_copy_in(self.pass_id, BACKWARD)
         for static, grad in zip(static_grad_outputs, grads):
@@ -636,7 +647,7 @@ class GraphedCallable:
         for slot in self._param_grad_slots:
             i = slot.index
             g = out[i]
-            lendable = can_lend and slot.policy == _plan.GRAD_LEND
+            lendable = can_lend and slot.policy is GradPolicy.LEND
             if g is None:
                 continue
             if slot.param.grad is not None:  # accumulated into: the caller keeps its grads
@@ -675,7 +686,7 @@ class GraphedCallable:
             _core.check_replay_order(self.pass_id, WGRAD)
         lent = self.shared.lent
         if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
-            lent.sweep(self._wgrad_seq)
+            lent.sweep(self._wgrad_lent_from)
         self.engine.replay(self.pass_id, WGRAD)
         if self._check_replay_order and WATCH.watches(self.pass_id, WGRAD):
             WATCH.after_replay(self.pass_id, WGRAD, [])

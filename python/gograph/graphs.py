@@ -16,7 +16,10 @@ import torch
 
 from . import _args, _core, _native, _te
 from ._build import prepared
-from .engines import EagerPool
+from ._pool import EagerPool
+from ._probe import SeedTrace
+from ._recarve import DebugRecorder
+from .engines import capturing_on_this_thread
 from .graphed import GraphedCallable
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
@@ -226,7 +229,8 @@ def make_graphed_callables(
     with _te.graph_capturing():
         req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
         with prepared(req) as build:
-            graphed = build.run()
+            build.run(hooks=(SeedTrace(), DebugRecorder()))
+            graphed = build.graphed()
     ret = [_attach(g, spec, req.ordered) for g, spec in zip(graphed, build.specs)]
     return ret[0] if req.just_one else tuple(ret)
 
@@ -249,8 +253,6 @@ def _attach(graphed: GraphedCallable, spec: _args.PassSpec, ordered: bool) -> An
 def _refuse_nested_build() -> None:
     """make_graphed_callables cannot run inside a capture: its warmup synchronizes and its own
     captures cannot nest in another."""
-    from .engines import capturing_on_this_thread
-
     capturing = capturing_on_this_thread()
     if not capturing and torch.cuda.is_initialized():
         try:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import _core
 from ._observe import KIND_NAMES, BuildStats, CaptureRecord, WarmupPeak, fmt_bytes, json_text
+from .graphed import GraphedCallable
 
 __all__ = [
     "BuildSummary",
@@ -210,8 +211,6 @@ class MemoryReport:
 def _graphed_callables(obj: Any, seen: set[int]) -> Iterator[Any]:
     """The GraphedCallables in ``obj``: one, a module whose forward is one, an object holding
     several (``graphed_callables`` attribute), or any (nested) tuple/list of those."""
-    from .graphed import GraphedCallable
-
     if isinstance(obj, GraphedCallable):
         if id(obj) not in seen:
             seen.add(id(obj))

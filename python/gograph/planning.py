@@ -29,9 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _args, _core, _probe, _static_bytes, _te, _torch
-from ._build import prepared
+from . import _args, _core, _plan, _probe, _static_bytes, _te, _torch
+from ._build import Build, prepared
+from ._exec import Phase
 from ._observe import fmt_bytes, json_text
+from ._warmup import module_buffers_restored
+from ._wire import Prediction, Trace
 from .engines import CudaEngine
 from .graphs import _refuse_nested_build
 
@@ -151,18 +154,34 @@ def plan_memory(
         allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
         req = dataclasses.replace(req, num_warmup_iters=1, progress=False)
         with prepared(req) as build:
-            found = _probe.probe(build)
-            handle = build.schedule.handle
-            prediction = None
-            if found.trace is not None:  # the buffers outside the pool share its segments with warmup's caches
-                new = "".join(f"new {n}\n" for n in _static_bytes.new_sizes(_static_bytes.count(found)))
-                # a build that would not record its warmup carves no seed: nor does its plan
-                trace = found.trace + new + ("" if _probe.seed_may_matter(build.states) else "noseed\n")
-                prediction = str(_core.plan_memory(handle, found.facts, req.reuse, req.chain, found.release, trace))
+            found, prediction = _planned(build)
     engine = build.engine
     if isinstance(engine, CudaEngine):
         _leave_allocator_as_found(engine, allocated)
     return _assemble(engine.name, found, prediction)
+
+
+def _planned(build: Build) -> tuple[_probe.Probe, Prediction | None]:
+    """Runs ``build`` until its captures are planned (one warmup iteration, recorded), asks the
+    core what the planned captures will take, and rolls the build back: passes dropped,
+    generator state and module buffers restored. Captures nothing."""
+    sizes = _probe.sizes_recorder(build.engine)
+    try:
+        with module_buffers_restored(build.req.callables):
+            program = build.run(until=Phase.PLANNED, hooks=[sizes])
+            release = isinstance(build.engine, CudaEngine)
+            trace = sizes.text(sizes.ops) if isinstance(sizes, _probe.AllocationTrace) else None
+            found = _probe.Probe(list(build.states), program, release, sizes, trace)
+            if trace is None:
+                return found, None
+            # the buffers outside the pool share its segments with warmup's caches; a build that
+            # would not record its warmup carves no seed: nor does its plan
+            more = [f"new {n}" for n in _static_bytes.new_sizes(_static_bytes.count(found))]
+            if not _probe.seed_may_matter(build.states):
+                more.append("noseed")
+            return found, _plan.predict(build.schedule, trace.with_lines(more))
+    finally:
+        build.rollback()
 
 
 def _leave_allocator_as_found(engine: CudaEngine, allocated: int) -> None:
@@ -187,9 +206,9 @@ def _workspaces_unused_by_graphs(live_graphs: int, segments: Sequence[Mapping[st
     return live_graphs == 0 and all(tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) for seg in segments)
 
 
-def _assemble(engine: str, found: _probe.Probe, prediction: str | None) -> MemoryPlan:
-    pool = _decode(prediction)
-    counted = _static_bytes.count(found, _places(found.trace, pool.get("place", {})))
+def _assemble(engine: str, found: _probe.Probe, prediction: Prediction | None) -> MemoryPlan:
+    pred = prediction if prediction is not None and prediction.pool else None
+    counted = _static_bytes.count(found, _places(found.trace, pred.places if pred is not None else {}))
     passes = [
         PassPlan(
             index=st.index,
@@ -206,65 +225,44 @@ def _assemble(engine: str, found: _probe.Probe, prediction: str | None) -> Memor
         for st, pb in zip(found.states, counted)
     ]
     new = _static_bytes.distinct(counted, "new")
-    reserved = pool.get("pool", [None])[0]
+    pool: tuple[int | None, ...] = pred.pool if pred is not None else (None,) * 4
+    warmup: tuple[int | None, ...] = pred.warmup if pred is not None else (None,) * 3
     totals = PlanTotals(
         passes=len(passes),
         static_bytes=_static_bytes.distinct(counted),
         pool_planned_bytes=_static_bytes.distinct(counted, "planned"),
         new_buffer_bytes=new,
-        pool_reserved_bytes=reserved,
-        pool_peak_allocated_bytes=pool.get("pool", [None, None])[1],
-        pool_live_bytes=pool.get("pool", [None, None, None])[2],
-        pool_segments=pool.get("pool", [None, None, None, None])[3],
-        pool_seed_bytes=pool.get("seed", [None])[0],
-        warmup_peak_reserved_bytes=pool.get("warmup", [None])[0],
-        outside_pool_bytes=pool.get("warmup", [None, None, None])[2],
-        build_peak_bytes=_build_peak(pool),
-        step_graph_bytes=None if reserved is None else reserved + new,
+        pool_reserved_bytes=pool[0],
+        pool_peak_allocated_bytes=pool[1],
+        pool_live_bytes=pool[2],
+        pool_segments=pool[3],
+        pool_seed_bytes=pred.seed if pred is not None else None,
+        warmup_peak_reserved_bytes=warmup[0],
+        outside_pool_bytes=warmup[2],
+        build_peak_bytes=None if pred is None else build_peak(pred),
+        step_graph_bytes=None if pred is None else pred.pool[0] + new,
     )
     return MemoryPlan(
         engine=engine,
         passes=passes,
         totals=totals,
-        pool_after_ops=pool.get("ops", []),
-        pool_segment_bytes=pool.get("segments", []),
+        pool_after_ops=list(pred.ops) if pred is not None else [],
+        pool_segment_bytes=list(pred.segments) if pred is not None else [],
     )
 
 
-def _build_peak(pool: Mapping[str, Any]) -> int | None:
-    """The most a build adds to reserved memory (``pool``: the decoded prediction): warmup's own
-    high-water, or -- once its cache is emptied for the first capture -- the pool and the
-    segments beside it (what warmup kept, such as cuBLAS workspaces, and the new buffers)."""
-    if "pool" not in pool:
-        return None
-    reserved, (warmup, _, outside) = pool["pool"][0], pool["warmup"]
-    return int(max(warmup, outside + reserved))
+def build_peak(pred: Prediction) -> int:
+    """The most a build adds to reserved memory: warmup's own high-water, or -- once its cache is
+    emptied for the first capture -- the pool and the segments beside it (what warmup kept, such
+    as cuBLAS workspaces, and the new buffers)."""
+    return max(pred.warmup[0], pred.warmup[2] + pred.pool[0])
 
 
-def _decode(prediction: str | None) -> dict[str, Any]:
-    """The core's prediction text (docs/CORE_API.md) as {"pool": [...], "warmup": [...], "ops":
-    [(op, reserved, allocated), ...]}; empty without one."""
-    if prediction is None:
-        return {}
-    out: dict[str, Any] = {"ops": []}
-    for line in prediction.splitlines():
-        f = line.split()
-        if not f:
-            continue
-        if f[0] in ("pool", "warmup", "segments", "seed"):
-            out[f[0]] = [int(x) for x in f[1:]]
-        elif f[0] == "place":
-            out.setdefault("place", {})[int(f[1])] = (int(f[2]), int(f[3]))
-        elif f[0] == "op":
-            out["ops"].append((" ".join(f[1:-2]), int(f[-2]), int(f[-1])))
-    return out
-
-
-def _places(trace: str | None, places: dict[int, tuple[int, int]]) -> dict[tuple[str, int, int], tuple[int, int]]:
+def _places(trace: Trace | None, places: dict[int, tuple[int, int]]) -> dict[tuple[str, int, int], tuple[int, int]]:
     """Where the core's model put each output ("out", pass, k) and grad ("grad", pass, j): buffers
     at one place are one storage (a released buffer's memory re-carved for a later one)."""
     out: dict[tuple[str, int, int], tuple[int, int]] = {}
-    for line in (trace or "").splitlines():
+    for line in trace.lines if trace is not None else ():
         f = line.split()
         if f and f[0] in ("out", "grad") and int(f[3]) in places:
             out[(f[0], int(f[1]), int(f[2]))] = places[int(f[3])]

@@ -60,8 +60,21 @@ def test_a_capture_is_two_core_calls(recording_core: list[str]) -> None:
             "seal_pass": 3,
         }
     )
+    assert len(log) == 6 * 3 + 5  # 6N + 5 for N callables: 2 per capture, 1 per pass and seal, 5 per plan
     for m in graphed:
         m.reset()
+
+
+def test_a_memory_plan_plans_its_captures_once(recording_core: list[str]) -> None:
+    """plan_memory runs the build until planned: one warmup program, one capture program, which the
+    core keeps for its prediction (on CUDA ``plan_memory`` reads it: no second planning)."""
+    layers = [make_mlp(seed=i, d_in=8, d_out=8) for i in range(3)]
+    samples = tuple((torch.randn(4, 8, requires_grad=i > 0),) for i in range(3))
+    gograph.plan_memory(tuple(layers), samples, engine=gograph.EagerEngine())
+    counts = Counter(recording_core)
+    assert counts["plan_warmup"] == 1 and counts["plan_capture"] == 1
+    assert counts["plan_memory"] == 0  # the eager engine has no device pool to predict
+    assert counts["begin_pass_capture"] == 0 and counts["new_pass"] == counts["drop_pass"] == 3
 
 
 def test_the_debug_guard_adds_one_call_per_pass_at_build(recording_core: list[str]) -> None:

@@ -17,14 +17,16 @@ import pytest
 import torch
 
 import gograph
-from gograph import _core, _plan, _recarve
+from gograph import _core, _recarve
 from gograph._handouts import WATCH
+from gograph._kinds import CaptureOp
+from gograph._wire import Op
 
 
 def _state(index: int, pass_id: int, **kw: Any) -> Any:
     base = {"index": index, "pass_id": pass_id, "spec": SimpleNamespace(label=f"L{index}"), "flat_args": (),
             "chained_inputs": set(), "chained_grad_outputs": set(), "static_grad_outputs": (), "released": set(),
-            "static_outputs": (), "static_grad_inputs": ()}  # fmt: skip
+            "static_outputs": (), "static_grad_inputs": (), "seq": [1, 1, 1]}  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -36,7 +38,14 @@ def _at(addr: int, nbytes: int) -> torch.Tensor:
 
 def test_specs_from_a_capture_trace() -> None:
     """Two chained layers captured F0 F1 B1 X1 B0 X0: B0's capture re-carves what F1 saved."""
-    ops = [_plan.Op("F", 0), _plan.Op("F", 1), _plan.Op("B", 1), _plan.Op("X", 1), _plan.Op("B", 0), _plan.Op("X", 0)]
+    ops = [
+        Op(CaptureOp("F"), 0),
+        Op(CaptureOp("F"), 1),
+        Op(CaptureOp("B"), 1),
+        Op(CaptureOp("X"), 1),
+        Op(CaptureOp("B"), 0),
+        Op(CaptureOp("X"), 0),
+    ]
     states = [
         _state(0, 10, chained_grad_outputs={0}, static_grad_outputs=(_at(0x3000, 64),)),
         _state(1, 11, chained_inputs={0}, flat_args=(_at(0x1000, 64),)),
@@ -65,10 +74,39 @@ def test_specs_from_a_capture_trace() -> None:
     assert all(not s["handouts"] for s in got.values())  # nothing was released
 
 
+def test_a_weight_gradient_reads_only_what_its_backward_kept() -> None:
+    """F0 B0 W0: the backward frees one saved block (autograd's) and allocates at its address;
+    the weight-gradient graph reads the block its work kept and the incoming grad, not the
+    backward's new block as if the forward had saved it."""
+    ops = [Op(CaptureOp("F"), 0), Op(CaptureOp("B"), 0), Op(CaptureOp("W"), 0)]
+    st = _state(0, 7, static_grad_outputs=(_at(0x3000, 64),))
+    rec = _recarve.CaptureRecorder(torch.device("cuda", 0))
+    rec.saved = {0: [(0x1000, 256), (0x2000, 64)]}
+    rec.entries = [
+        {"action": "alloc", "addr": 0x1000, "size": 256}, {"action": "alloc", "addr": 0x2000, "size": 64},  # F0
+        {"action": "alloc", "addr": 0x3000, "size": 64},  # B0: the incoming grad's buffer, then its work
+        {"action": "free_completed", "addr": 0x1000, "size": 256}, {"action": "alloc", "addr": 0x1000, "size": 32},
+    ]  # fmt: skip
+    rec.marks = [0, 2, 5, 5]
+    got = _recarve.specs(rec, ops, [st])
+    assert [r[:3] for r in got[(7, 1)]["reads"]] == [(0x1000, 0x1100, (7, 0)), (0x2000, 0x2040, (7, 0))]
+    assert (0x1000, 0x1020) in got[(7, 1)]["writes"]
+    assert [r[:3] for r in got[(7, 2)]["reads"]] == [(0x2000, 0x2040, (7, 0)), (0x3000, 0x3040, (7, 1))]
+
+
+def test_a_graph_not_captured_has_no_spec() -> None:
+    """A backward no output needed was not captured: the core has no graph to check for it."""
+    ops = [Op(CaptureOp("F"), 0), Op(CaptureOp("B"), 0)]
+    rec = _recarve.CaptureRecorder(torch.device("cuda", 0))
+    rec.entries, rec.marks = [{"action": "alloc", "addr": 0x100, "size": 8}], [0, 1, 1]
+    got = _recarve.specs(rec, ops, [_state(0, 3, seq=[1, 0, 0])])
+    assert list(got) == [(3, 0)]
+
+
 def test_released_buffers_are_handouts() -> None:
     """A released output is its forward's hand-out, a released input grad its backward's; a
     released parameter grad is not (it reaches .grad owned or lent: LentGrads watches it)."""
-    ops = [_plan.Op("F", 0), _plan.Op("B", 0)]
+    ops = [Op(CaptureOp("F"), 0), Op(CaptureOp("B"), 0)]
     st = _state(0, 12, released={("o", 1), ("d", 0), ("p", 1)}, static_outputs=(_at(0x100, 8), _at(0x200, 16)),
                 static_grad_inputs=(_at(0x300, 32), _at(0x400, 8)))  # fmt: skip
     rec = _recarve.CaptureRecorder(torch.device("cuda", 0))

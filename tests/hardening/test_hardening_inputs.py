@@ -558,7 +558,7 @@ def test_output_on_cpu_is_refused_in_warmup(cuda_device):
 
 @pytest.mark.cuda
 def test_pool_of_the_wrong_kind_is_refused(cuda_device):
-    with pytest.raises(TypeError, match="pool must be a memory-pool token"):
+    with pytest.raises(TypeError, match="pool must be a token .* for the CUDA engine"):
         mgc(lambda a: a * 2, (torch.randn(4, device=cuda_device),), pool=gograph.EagerPool())
 
 

@@ -199,6 +199,12 @@ class Delayed(_Fuzzed):
         self.main_grad = torch.zeros_like(self.weight.detach())
         self.stash: list[tuple[Tensor, Tensor]] = []
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Delayed:
+        # main_grad is a plain attribute (as Megatron-LM's): .to(device) moves it with the weight
+        super()._apply(fn, recurse)
+        self.main_grad = fn(self.main_grad)
+        return self
+
     def delayed(self, x: Tensor) -> Tensor:
         return _DelayedMatmul.apply(x, self.weight, self) + self.bias
 

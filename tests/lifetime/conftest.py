@@ -30,6 +30,8 @@ def _warm_up(device: torch.device) -> None:
         Case(layers=(Layer("linear"), Layer("multi", from_prev=True)), chain_buffers=True, autograd_grad=True),
         Case(layers=(Layer("block"), Layer("kwblock")), pipeline=Pipeline(1, 0, 2, (1, 1)), reuse=True, hooks=True),
         Case(layers=(Layer("dropout"), Layer("fn")), debug_replay_order=True, evaluate=True, fault=(1, "forward", 1)),
+        # a weight-only backward, captured with no warmup iteration before it
+        Case(layers=(Layer("linear", input_grad=False),), num_warmup_iters=0, set_to_none=False),
     ):
         try:
             run_case(case, device)  # what it finds, the tests report

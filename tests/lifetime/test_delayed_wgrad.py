@@ -121,7 +121,8 @@ def test_backward_dw_replays_never_overwrite_a_held_grad(device: str, no_tf32: A
             f = g.forward
             k = f.len_user_args + next(j for j, q in enumerate(f.module_params) if q is mods[i].bias)
             if held[i][1] == f.static_grad_inputs[k].data_ptr():
-                later = [o.forward._wgrad_seq for o in graphed]
+                # the core's answer: from which lending backward each weight-gradient replay overwrites
+                later = [o.forward._wgrad_lent_from for o in graphed]
                 assert all(s > g.forward._bwd_seq for s in later), f"step {step}: .grad of layer {i} may be overwritten"
         graphed[1].backward_dw()
         graphed[0].backward_dw()

@@ -15,7 +15,9 @@ import torch
 
 import gograph
 from gograph import _core, _plan
+from gograph._kinds import WarmOp
 from gograph._probe import trace_text
+from gograph._wire import Facts, Op, Prediction, Trace
 
 FEATURES = 8
 MiB = 2**20
@@ -136,7 +138,7 @@ def _history(events: Sequence[tuple[str, int, int]]) -> list[dict[str, Any]]:
 
 
 def test_trace_text_tags_ops_and_names_blocks() -> None:
-    ops = (_plan.Op("f", 0), _plan.Op("b", 0), _plan.Op("x", 0))
+    ops = (Op(WarmOp.FORWARD, 0), Op(WarmOp.BACKWARD, 0), Op(WarmOp.DROP_OUTPUTS, 0))
     entries = _history([
         ("alloc", 0x1000, 64 * MiB),  # before the first op: not the pass's
         ("alloc", 0x2000, 64 * MiB), ("alloc", 0x3000, 64 * MiB),  # forward: saved, output
@@ -146,8 +148,9 @@ def test_trace_text_tags_ops_and_names_blocks() -> None:
         ("free_completed", 0x3000, 64 * MiB), ("free_completed", 0x2000, 64 * MiB),  # x: outputs, grads die
     ])  # fmt: skip
     marks = [1, 4, 7, 9]
-    text = trace_text(ops, entries, marks, {1: {0x9000}}, [(0, 0, 0, 0x3000)], [(1, 0, 0, 0x2000)])
-    assert text.splitlines() == [
+    trace = trace_text(ops, entries, marks, {1: {0x9000}}, [(0, 0, 0, 0x3000)], [(1, 0, 0, 0x2000)])
+    assert trace.text().splitlines()[0] == "trace v1"
+    assert list(trace.lines) == [
         "step 0 f 0", "step 1 b 0", "step 2 x 0",
         "a 1 67108864 -1", "a 2 67108864 0", "a 3 67108864 0", "a 4 33554432 -1", "out 0 0 3",
         "a 5 67108864 -1", "r 2 1", "a 6 67108864 1", "grad 0 0 6",
@@ -160,19 +163,23 @@ def test_core_replays_the_trace_in_capture_order() -> None:
     holds both forwards' saved tensors and outputs at once, which warmup never did."""
     sched = _plan.plan_schedule(None, None, 2, 2, True, 1)
     try:
-        facts = "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 0 1\npass 1 1 0 1 -1 -1\nin 1 0 1 1 1\nout 1 0 1\n"
-        trace = "\n".join([
+        facts = Facts(
+            ("pass 0 1 0 1 -1 -1", "in 0 0 0 1 1", "out 0 0 1", "pass 1 1 0 1 -1 -1", "in 1 0 1 1 1", "out 1 0 1")
+        )
+        trace = Trace((
             "step 0 f 0", "step 1 b 0", "step 2 x 0", "step 3 f 1", "step 4 b 1", "step 5 x 1",
             "a 1 67108864 0", "a 2 67108864 0", "r 1 1", "r 2 -1",
             "a 3 67108864 3", "a 4 67108864 3", "r 3 4", "a 5 67108864 4", "r 4 -1", "r 5 -1",
             "out 0 0 2", "out 1 0 4", "grad 1 0 5",
-        ])  # fmt: skip
-        got = _core.plan_memory(sched.handle, facts, False, True, True, trace)
+        ))  # fmt: skip
+        _plan.capture_program(sched, facts, False, True, True)  # kept with the plan, where the prediction reads it
+        got = str(_core.plan_memory(sched.handle, trace.text()))
+        pred = Prediction.decode(got)
     finally:
         sched.free()
-    lines = got.splitlines()
+    lines = got.splitlines()[1:]
     assert lines[0] == "seed 0"  # every block is 64 MiB: the captures' segments are what they hold
-    assert _plan.prediction_seed(got) == 0
+    assert pred.seed == 0
     assert lines[1] == f"pool {4 * 64 * MiB} {4 * 64 * MiB} {2 * 64 * MiB} 4"  # two outputs stay
     assert lines[2] == f"warmup {2 * 64 * MiB} {2 * 64 * MiB} 0"  # every block freed: nothing kept
     assert lines[-1] == f"segments {' '.join([str(64 * MiB)] * 4)}"
@@ -180,7 +187,7 @@ def test_core_replays_the_trace_in_capture_order() -> None:
         f"op F 0 {128 * MiB} {128 * MiB}", f"op F 1 {256 * MiB} {256 * MiB}",
         f"op B 1 {256 * MiB} {256 * MiB}", f"op X 1 {256 * MiB} {256 * MiB}",
         f"op B 0 {256 * MiB} {192 * MiB}", f"op X 0 {256 * MiB} {192 * MiB}",
-        f"op R d 1 0 {256 * MiB} {128 * MiB}",
+        f"op R d 1 0 {256 * MiB} {128 * MiB}", f"op H -1 {256 * MiB} {128 * MiB}",
     ]  # fmt: skip
 
 
@@ -211,18 +218,19 @@ def test_core_seeds_a_pool_whose_freed_blocks_could_not_merge() -> None:
     segment carved first holds them side by side, so they do."""
     sched = _plan.plan_schedule(None, None, 1, 1, True, 1)
     try:
-        facts = "pass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 0 1\n"
-        trace = "\n".join([
+        facts = Facts(("pass 0 1 0 1 -1 -1", "in 0 0 0 1 1", "out 0 0 1"))
+        trace = Trace((
             "step 0 f 0", "step 1 b 0", "step 2 x 0",
             f"a 1 {30 * MiB} 0", f"a 2 {30 * MiB} 0", f"a 3 {12 * MiB} 0",
             "r 1 1", "r 2 1", f"a 4 {50 * MiB} 1", f"a 5 {12 * MiB} 1", "r 4 1",
             "out 0 0 3", "grad 0 0 5",
-        ])  # fmt: skip
-        got = _core.plan_memory(sched.handle, facts, False, False, False, trace)
+        ))  # fmt: skip
+        _plan.capture_program(sched, facts, False, False, False)
+        pred = _plan.predict(sched, trace)
     finally:
         sched.free()
-    seed = _plan.prediction_seed(got)
-    reserved, peak = (int(x) for x in got.splitlines()[1].split()[1:3])
+    seed, (reserved, peak) = pred.seed, pred.pool[:2]
+    got = pred
     assert 0 < seed <= 74 * MiB
     assert peak == 74 * MiB and reserved < 122 * MiB and reserved <= peak + 2 * MiB, got
 
@@ -236,11 +244,11 @@ def test_core_seeds_a_pool_whose_freed_blocks_could_not_merge() -> None:
     ],
 )
 def test_the_build_peak_counts_the_segments_beside_the_pool(warmup: tuple[int, int, int], expected: int) -> None:
-    from gograph.planning import _build_peak, _decode
+    from gograph.planning import build_peak
 
-    prediction = f"seed 0\npool {190 * MiB} {186 * MiB} {48 * MiB} 3\nwarmup {' '.join(map(str, warmup))}\nsegments 1\n"
-    assert _build_peak(_decode(prediction)) == expected
-    assert _build_peak(_decode(None)) is None
+    pool, warm = f"pool {190 * MiB} {186 * MiB} {48 * MiB} 3", f"warmup {' '.join(map(str, warmup))}"
+    text = f"prediction v1\nseed 0\n{pool}\n{warm}\nsegments 1\n"
+    assert build_peak(Prediction.decode(text)) == expected
 
 
 @pytest.mark.parametrize(
@@ -257,7 +265,7 @@ def test_the_build_peak_counts_the_segments_beside_the_pool(warmup: tuple[int, i
 def test_a_warmup_trace_marks_each_first_op_and_stops_after_the_last(program: str, exact: set[int], until: int) -> None:
     from gograph._probe import first_ops
 
-    ops = [_plan.Op(op[0], int(op[1:])) for op in program.split()]
+    ops = [Op(WarmOp(op[0]), int(op[1:])) for op in program.split()]
     assert first_ops(ops) == (exact, until)
 
 

@@ -39,8 +39,13 @@ def _chain(n: int, dropout: float = 0.0) -> tuple[tuple[torch.nn.Module, ...], t
 @pytest.mark.parametrize("kwargs", [{}, {"chain_buffers": True}], ids=["default", "chain"])
 def test_predictions_are_within_5_percent(kwargs: dict[str, Any]) -> None:
     layers, samples = _chain(6)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
     plan = gograph.plan_memory(layers, samples, **kwargs)
     torch.cuda.synchronize()
+    # What the plan kept (the cuBLAS workspaces of gograph's stream, when a graph that an earlier
+    # test left alive might use them) the build finds made: its peak is that much lower.
+    kept = torch.cuda.memory_allocated() - allocated
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_reserved()
     graphed = gograph.make_graphed_callables(layers, samples, **kwargs)
@@ -57,7 +62,8 @@ def test_predictions_are_within_5_percent(kwargs: dict[str, Any]) -> None:
     ]
     assert t.pool_reserved_bytes is not None and rt.pool_reserved_bytes is not None
     assert abs(t.pool_reserved_bytes / rt.pool_reserved_bytes - 1) <= 0.05, (t, rt)
-    assert t.build_peak_bytes is not None and abs(t.build_peak_bytes / build_peak - 1) <= 0.05, (t, build_peak)
+    assert t.build_peak_bytes is not None
+    assert abs((t.build_peak_bytes - kept) / build_peak - 1) <= 0.05, (t, kept, build_peak)
     for g in graphed:
         g.reset()
 

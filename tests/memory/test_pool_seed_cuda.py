@@ -45,11 +45,12 @@ def test_a_seed_the_device_cannot_hold_is_skipped(cuda_device: torch.device) -> 
 
 @pytest.mark.parametrize("until", [None, 2])
 def test_counted_marks_cut_the_history_where_a_snapshot_would(cuda_device: torch.device, until: int | None) -> None:
-    from gograph._plan import Op
+    from gograph._kinds import WarmOp
     from gograph._probe import CountedTrace
+    from gograph._wire import Op
 
     # With a program, ops 2 and 3 repeat op 0: the history stops at op 2.
-    ops = None if until is None else [Op("f", 0), Op("f", 1), Op("f", 0), Op("f", 0)]
+    ops = None if until is None else [Op(WarmOp.FORWARD, p) for p in (0, 1, 0, 0)]
     expected: list[int] = []
     with CountedTrace(cuda_device, ops) as rec:
         base = len(rec._device_entries())
