@@ -10,7 +10,8 @@ lifecycle; replays re-run the callable).
 Public names:
 
 * :func:`make_graphed_callables`, :class:`GraphedCallable`, :class:`GraphedModule` (its typing)
-* :class:`StaticInputMismatchError`, :class:`ChainedInputError`, :class:`SharedInputError`, :class:`ScheduleError`
+* :class:`StaticInputMismatchError`, :class:`ChainedInputError`, :class:`SharedInputError`, :class:`ScheduleError`,
+  :class:`CaptureUnsupportedError` (the eager engine's dry run of a CUDA capture)
 * :func:`graph_pool_handle` -- a pool token to share between calls
 * :func:`cuda_available`, :func:`cuda_unavailable_reason`, :func:`core_flavor` -- which core flavor was loaded, and why
 * :func:`live_graphs`, :func:`live_passes`, :func:`live_plans` -- leak checks against the core's registries
@@ -23,6 +24,7 @@ Public names:
 from __future__ import annotations
 
 from . import _core, _native
+from ._dry_run import CaptureUnsupportedError
 from ._native import cuda_available, cuda_unavailable_reason
 from ._plan import ScheduleError, megatron_order
 from ._reuse import BufferReuse
@@ -64,6 +66,7 @@ def core_flavor() -> str:
 
 __all__ = [
     "BufferReuse",
+    "CaptureUnsupportedError",
     "ChainedInputError",
     "CudaEngine",
     "EagerEngine",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import _capture_state, _core, _native, _observe, _torch
+from . import _capture_state, _core, _dry_run, _native, _observe, _torch
 from ._kinds import GraphKind
 from ._pool import EagerPool
 from ._rng import RngCompanions, _OnStream
@@ -643,12 +643,19 @@ class EagerEngine(Engine):
 
     name = "eager"
 
-    def __init__(self) -> None:
+    def __init__(self, dry_run: bool = False) -> None:
+        """``dry_run``: captures refuse what a CUDA capture cannot contain (host reads, syncs,
+        device-to-host copies), with :class:`gograph.CaptureUnsupportedError`. Off by default: a
+        model may take a CPU-only branch (one that reads a value on the host) that it does not
+        take on CUDA."""
         super().__init__()
+        if not isinstance(dry_run, bool):
+            raise TypeError(f"EagerEngine: dry_run must be a bool, got {type(dry_run).__name__}")
+        self.dry_run = dry_run
         self._passes: dict[int, _EagerPassRecord] = {}
 
     def __repr__(self) -> str:
-        return "EagerEngine()"
+        return "EagerEngine(dry_run=True)" if self.dry_run else "EagerEngine()"
 
     def new_pool(self) -> Hashable:
         return EagerPool()
@@ -663,7 +670,9 @@ class EagerEngine(Engine):
     ) -> tuple[tuple[torch.Tensor | None, ...], int]:
         _core.begin_pass_capture(pass_id, kind, self.pool_key(pool), 0, 0)
         try:
-            result = tuple(body(*body_args))
+            # what a CUDA capture would refuse, refused here too
+            with _dry_run.capture_checked() if self.dry_run else contextlib.nullcontext():
+                result = tuple(body(*body_args))
         except BaseException:
             _abort(pass_id, kind, 0)
             raise
