@@ -155,6 +155,12 @@ def cpp_function_apply(function_class: type) -> Callable[..., Any]:
     return apply
 
 
+def will_engine_execute_node(node: Any) -> bool:
+    """Inside a backward: whether the running autograd pass executes ``node`` (a
+    ``torch.autograd.grad`` call skips the nodes its outputs do not need)."""
+    return bool(torch._C._will_engine_execute_node(node))
+
+
 # -- tensor hooks (Tensor.register_hook) --
 @contextlib.contextmanager
 def tensor_hooks_suspended(tensors: Iterable[Tensor | None]) -> Iterator[None]:

@@ -268,8 +268,9 @@ class GraphedCallable(GraphedMark):
 
     * ``static_input_surface``: the flattened sample args, then the parameters. Shapes and devices
       must match ``sample_args`` (StaticInputMismatchError); a dtype that differs is cast by the
-      copy-in (as torch's, for autocast); a different pytree structure or count is a TypeError; an
-      arg that requires grad where its sample did not is a ValueError (its grad would be lost).
+      copy-in (as torch's, for autocast); a different pytree structure or count is a TypeError. An
+      arg that requires grad where its sample did not runs (outputs require grad where eager's
+      would); a backward that asks for its grad, which the graph has not, raises RuntimeError.
     * each forward call can be differentiated once (as with ``retain_graph=False``), unless graphed
       with ``retain_graph_in_backward``.
     * calling it while a graph capture is underway on this thread raises RuntimeError.
@@ -423,8 +424,6 @@ class GraphedCallable(GraphedMark):
         opts, flat = self._flatten_call(user_args, user_kwargs)
         if CAPTURE_STATE.depth:
             self._raise_nested_capture()
-        if self._nograd_args and torch.is_grad_enabled():
-            self._check_nograd(flat)
         if self._check_replay_order:  # debug guard: refuse before any static buffer is written
             _core.check_replay_order(self.pass_id, FORWARD)
         if _torch.functorch_transforms_active():
@@ -480,10 +479,16 @@ class GraphedCallable(GraphedMark):
             flat = (*flat, *kw_leaves)
         return opts, flat
 
-    def _check_nograd(self, flat: Sequence[Any]) -> None:
-        for i in self._nograd_args:
-            if getattr(flat[i], "requires_grad", False):
-                raise ValueError(
+    def _raise_ungraphed_grad(self, ctx: Any) -> None:
+        """Raises when this backward must produce a gradient its graph cannot give: for an argument
+        that requires grad where its sample did not (``ctx.ungraphed``, set by the forward), and
+        that autograd will use (an argument it does not ask for, e.g. ``torch.autograd.grad`` of
+        the parameters alone, needs none). A forward is never refused for a gradient nobody asks
+        for; a gradient is never dropped silently."""
+        for i in ctx.ungraphed:
+            node = ctx.next_functions[i][0]
+            if node is not None and _torch.will_engine_execute_node(node):
+                raise RuntimeError(
                     f"gograph: argument leaf {i} of graphed callable {self.index} ({self.label}) requires grad, but "
                     "its sample arg did not, so the backward graph computes no grad for it and the grad would be "
                     "silently dropped. Graph it with a sample arg that has requires_grad=True at this position, "
@@ -850,7 +855,10 @@ class _GraphedFunction(torch.autograd.Function):
         outputs = graphed._replay_forward(inputs, opts)
         for guard in graphed._shared_guards:  # its backward, until it runs, reads those buffers
             guard.forward_ran(graphed.pass_id, ctx)
-        if graphed._nondiff_outputs:
+        # An argument that requires grad where its sample did not: its graph has no gradient for it,
+        # but outputs require grad where eager's would; the backward raises if it is asked for one.
+        ctx.ungraphed = tuple(i for i in graphed._nograd_args if inputs[i].requires_grad)
+        if graphed._nondiff_outputs and not ctx.ungraphed:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
         return outputs
 
@@ -867,6 +875,8 @@ class _GraphedFunction(torch.autograd.Function):
 
 def _graphed_backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
     graphed: GraphedCallable = ctx.graphed
+    if ctx.ungraphed:
+        graphed._raise_ungraphed_grad(ctx)
     if graphed._no_backward is not None:
         raise RuntimeError(graphed._no_backward)
     if getattr(ctx, "gograph_backward_done", False) and not graphed._retain_graph_in_backward:

@@ -344,10 +344,11 @@ def test_flat_args_passed_as_a_list_are_refused():
         graphed_ab([torch.randn(2, 3), torch.randn(2, 3)])
 
 
-def test_requires_grad_where_the_sample_did_not_is_refused():
+def test_requires_grad_where_the_sample_did_not_is_refused_at_the_backward():
     graphed_ab = _graphed_ab()
-    with pytest.raises(ValueError, match="argument leaf 0 .* requires grad, but its sample arg did not"):
-        graphed_ab(torch.randn(2, 3, requires_grad=True), torch.randn(2, 3))
+    out = graphed_ab(torch.randn(2, 3, requires_grad=True), torch.randn(2, 3))  # the forward runs
+    with pytest.raises(RuntimeError, match="argument leaf 0 .* requires grad, but its sample arg did not"):
+        out.sum().backward()
     # fine without grad mode, or detached
     with torch.no_grad():
         graphed_ab(torch.randn(2, 3, requires_grad=True), torch.randn(2, 3))
