@@ -338,6 +338,7 @@ class Build:
             [st.pass_id for st in self.states],
             [f"graphed callable {st.index} ({st.spec.label})" for st in self.states],
             [_plain_copies(st) for st in self.states],
+            [k in program.backwards for k in range(len(self.states))],
         )
         out = []
         for st, shared_leaves in zip(self.states, guards):

@@ -39,16 +39,18 @@ class SharedInputError(RuntimeError):
 
 
 class SharedInput:
-    """One static buffer read by several passes' graphs (``label``: pass id -> what to call it).
+    """One static buffer read by several passes' graphs (``label``: pass id -> what to call it;
+    ``backwards``: the sharers that have a backward, the capture program's answer).
 
     ``source`` is the tensor last copied in (a weak reference, and its version counter then);
-    ``waiting`` holds, per pass, a weak reference to the autograd node of its latest forward:
-    the node lives until its backward has run or its graph is dropped."""
+    ``waiting`` holds, per pass with a backward, a weak reference to the autograd node of its
+    latest forward: the node lives until its backward has run or its graph is dropped. A
+    forward-only sharer never waits: no backward of it will read the buffer."""
 
-    __slots__ = ("_compared", "buffer_version", "labels", "source", "version", "waiting")
+    __slots__ = ("_compared", "backwards", "buffer_version", "labels", "source", "version", "waiting")
 
-    def __init__(self, labels: dict[int, str]) -> None:
-        self.labels = labels
+    def __init__(self, labels: dict[int, str], backwards: frozenset[int]) -> None:
+        self.labels, self.backwards = labels, backwards
         self.source: weakref.ref[Tensor] | None = None
         self.version: int | None = None
         self.buffer_version: int | None = None
@@ -78,8 +80,10 @@ class SharedInput:
         self.source, self.version, self.buffer_version = weakref.ref(new), version, buffer_version
 
     def forward_ran(self, pass_id: int, node: Any) -> None:
-        """Pass ``pass_id``'s forward made autograd node ``node`` (its backward reads the buffer)."""
-        self.waiting[pass_id] = weakref.ref(node)
+        """Pass ``pass_id``'s forward made autograd node ``node`` (its backward, if it has one,
+        reads the buffer)."""
+        if pass_id in self.backwards:
+            self.waiting[pass_id] = weakref.ref(node)
 
     def _waiting_other(self, pass_id: int) -> int | None:
         for other, ref in self.waiting.items():
@@ -118,19 +122,25 @@ def version_of(t: Tensor) -> int | None:
 
 
 def shared_inputs(
-    surfaces: Sequence[Sequence[Tensor]], passes: Sequence[int], labels: Sequence[str], skip: Sequence[frozenset[int]]
+    surfaces: Sequence[Sequence[Tensor]],
+    passes: Sequence[int],
+    labels: Sequence[str],
+    skip: Sequence[frozenset[int]],
+    backward: Sequence[bool],
 ) -> list[dict[int, SharedInput]]:
     """Per pass (``surfaces[k]`` its static inputs, ``passes[k]`` its id, ``labels[k]`` what to
     call it, ``skip[k]`` leaves left to a plain copy: chained ones, never copied into, and those
-    its forward writes in place, whose buffer a replay changes without a version bump): leaf ->
-    the guard of the buffer it shares with another pass's static input (bytes that overlap)."""
+    its forward writes in place, whose buffer a replay changes without a version bump;
+    ``backward[k]`` whether the capture program gave it a backward): leaf -> the guard of the
+    buffer it shares with another pass's static input (bytes that overlap). Buffers no sharer
+    with a backward reads get none: no pending backward can read what a copy changes."""
     leaves = [((k, j), t) for k, ts in enumerate(surfaces) for j, t in enumerate(ts) if j not in skip[k]]
     out: list[dict[int, SharedInput]] = [{} for _ in surfaces]
     for group in overlapping(leaves):
         owners = {k for k, _ in group}
-        if len(owners) < 2:
-            continue  # one pass's own leaves: no other pass's backward to protect
-        guard = SharedInput({passes[k]: labels[k] for k in owners})
+        if len(owners) < 2 or not any(backward[k] for k in owners):
+            continue  # one pass's own leaves, or forward-only sharers: no backward to protect
+        guard = SharedInput({passes[k]: labels[k] for k in owners}, frozenset(passes[k] for k in owners if backward[k]))
         for k, j in group:
             out[k][j] = guard
     return out

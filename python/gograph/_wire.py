@@ -187,6 +187,13 @@ class CaptureProgram:
                 slots = int(f[1])
         return cls(tuple(ops), inputs, gouts, policy, sigs, slots, lent)
 
+    @property
+    def backwards(self) -> frozenset[int]:
+        """The passes (indices) that have a backward: those the program captures one for. A
+        forward-only pass (built under no_grad, TransformerEngine's eval ``_order``, outputs that
+        need no grad) has none, so nothing of it waits for one."""
+        return frozenset(op.pass_index for op in self.ops if op.kind is CaptureOp.BACKWARD)
+
 
 @dataclass(frozen=True)
 class Prediction:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fuzz_config import Case
+from _fuzz_config import Case, inference_build
 from _fuzz_engine import ScribblingEagerEngine
 from _fuzz_live import TRACKER, InjectedFault
 from _fuzz_models import FEATURES, make_callable, make_layer
@@ -295,6 +295,10 @@ class _PipelineRun(_Run):
         self.kinds = [layer.kind for layer in c.layers]
         self.callables = [_to(make_layer(k, i, 1000 * c.seed + i), self.device) for i, k in enumerate(self.kinds)]
         self.modules = [m if isinstance(m, torch.nn.Module) else None for m in self.callables]
+        if inference_build(c):  # TransformerEngine's inference rule: eval modules, every pass forward-only
+            for m in self.modules:
+                if m is not None:
+                    m.eval()
         self.twins = [copy.deepcopy(m) for m in self.modules]
         prefix = [sum(p.layers[:ch]) for ch in range(len(p.layers))]
         self.callable_of = [
@@ -320,6 +324,8 @@ class _PipelineRun(_Run):
         p = self.case.pipeline
         assert p is not None
         samples = tuple((self.data.leaf(self._input_grad(i), "sample", q),) for q, i in enumerate(self.callable_of))
+        if inference_build(self.case) and self.case.shared_samples:  # one sample tensor for every pass
+            samples = tuple((samples[0][0],) for _ in samples)
         options = self.options()
         options.update(_order=self.order, _num_layers_per_chunk=list(p.layers))
         if "kwblock" in self.kinds:  # with shared samples, one scale for every pass (a mask)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from _fuzz_models import KINDS, MODES, PIPELINE_KINDS
 from hypothesis import strategies as st
 
-__all__ = ["Case", "Layer", "Pipeline", "cases", "describe"]
+__all__ = ["Case", "Layer", "Pipeline", "cases", "describe", "inference_build"]
 
 STEPS = 3
 
@@ -33,7 +33,9 @@ class Layer:
 class Pipeline:
     """A Megatron-LM interleaved schedule (``gograph.megatron_order``) as ``_order``, with
     ``-(c+0.5)`` weight-gradient entries after each backward of a chunk with delayed layers when
-    ``wgrad_entries``, and the passes reset once training is over."""
+    ``wgrad_entries``, and the passes reset once training is over. ``inference``: the modules in
+    eval mode and the schedule's forward entries only (TransformerEngine's inference rule: every
+    pass forward-only); with shared samples every pass's input sample is one tensor."""
 
     pipeline_size: int
     rank: int
@@ -41,6 +43,7 @@ class Pipeline:
     layers: tuple[int, ...]
     wgrad_entries: bool = True
     reset_after: tuple[int, ...] = ()
+    inference: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,12 @@ def _default_case(draw: st.DrawFn) -> Case:
     )
 
 
+def inference_build(case: Case) -> bool:
+    """Whether a pipeline case builds for inference: drawn so, and at least one callable a module
+    (put in eval mode; with functions alone the build trains, TransformerEngine's rule)."""
+    return case.pipeline is not None and case.pipeline.inference and any(layer.kind != "fn" for layer in case.layers)
+
+
 @st.composite
 def _pipeline_case(draw: st.DrawFn) -> Case:
     pp = draw(st.integers(1, 2))
@@ -154,6 +163,7 @@ def _pipeline_case(draw: st.DrawFn) -> Case:
         layers=per_chunk,
         wgrad_entries=draw(st.sampled_from((True, True, True, False))),
         reset_after=tuple(sorted(draw(st.sets(st.integers(0, passes - 1), max_size=passes)))),
+        inference=draw(st.sampled_from((False, False, False, True))),
     )
     clone = draw(st.sampled_from((True, True, True, False)))
     return Case(
@@ -222,6 +232,8 @@ def _program_text(case: Case) -> list[str]:
             f"{p.wgrad_entries}; {STEPS} steps, zero_grad(set_to_none={case.set_to_none}); data seed {case.seed}; "
             f"then reset passes {list(p.reset_after)} and run the others forward"
             + ("; one scale sample (kwargs) for every pass, one scale tensor per step" if case.shared_samples else "")
+            + ("; inference: modules in eval(), forward entries only" if inference_build(case) else "")
+            + ("; one input sample for every pass" if inference_build(case) and case.shared_samples else "")
         ]
     grads = "torch.autograd.grad (results kept, summed into .grad)" if case.autograd_grad else "loss.backward()"
     dw = f"backward_dw() {_DW[case.backward_dw]}, " if any(layer.kind == "delayed" for layer in case.layers) else ""

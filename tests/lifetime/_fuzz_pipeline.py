@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fuzz_config import STEPS, Case
+from _fuzz_config import STEPS, Case, inference_build
 from _fuzz_program import Data
 from _fuzz_world import World
 from torch import Tensor
@@ -28,11 +28,14 @@ __all__ = ["PipelineProgram", "pipeline_order"]
 
 def pipeline_order(case: Case, delayed_chunks: set[int]) -> list[float]:
     """``megatron_order`` of the case, with a weight-gradient entry after each backward of a
-    chunk with delayed layers when the case asks for them."""
+    chunk with delayed layers when the case asks for them (its forward entries alone for an
+    inference case)."""
     p = case.pipeline
     assert p is not None
     order: list[float] = []
     for e in gograph.megatron_order(p.pipeline_size, p.rank, len(p.layers), p.microbatches):
+        if inference_build(case) and e < 0:
+            continue  # TransformerEngine's inference rule: forward entries only
         order.append(e)
         if e < 0 and p.wgrad_entries and (-e - 1) in delayed_chunks:
             order.append(e - 0.5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from _fuzz_config import Case
+from _fuzz_config import Case, inference_build
 
 import gograph
 
@@ -40,6 +40,12 @@ def expected_refusals(case: Case) -> tuple[list[Refusal], list[Refusal]]:
         may.append(Refusal(RuntimeError, r"appears to not have been used in the graph", "Unused"))
     p = case.pipeline
     if p is None:
+        return must, may
+    if inference_build(case):  # forward entries only: no weight-gradient entry, nothing delayed to find
+        if case.reuse:  # TransformerEngine's rule
+            must.append(
+                Refusal(RuntimeError, r"`_reuse_graph_input_output_buffers` is only available in training mode")
+            )
         return must, may
     if case.num_warmup_iters == 0:
         must.append(Refusal(gograph.ScheduleError, r"num_warmup_iters=0 with _order: warmup must run at least once"))
