@@ -180,18 +180,26 @@ def _grad_output_buffer(x: Executor, st: PassState, k: int, o: Tensor, program: 
     """Where output ``k``'s incoming grad is copied before a backward replay: the consumer's input
     grad (chained), a shared slot, or a new buffer -- uninitialised on the CUDA engine, as in torch
     and TransformerEngine (every replay copies the incoming grad in first, and a capture computes
-    no values), zeros on the eager engine, whose capture does run the backward."""
+    no values), zeros on the eager engine, whose capture does run the backward: a chained buffer or
+    a slot holds what its earlier holder's capture left (another pass's input, say), which a
+    delayed weight gradient captured next would add into ``main_grad`` where a CUDA capture adds
+    nothing. Zero incoming grads add zero, as warmup's do."""
     src = program.grad_outputs.get((st.index, k))
+    buf: Tensor | None = None
     if src is not None and src.kind is BufferSource.CHAINED:
-        buf = x.states[src.pass_index].static_grad_inputs[src.index]
-        if isinstance(buf, torch.Tensor) and _reuse.tensor_signature(buf) == _reuse.tensor_signature(o):
+        chained = x.states[src.pass_index].static_grad_inputs[src.index]
+        if isinstance(chained, torch.Tensor) and _reuse.tensor_signature(chained) == _reuse.tensor_signature(o):
             st.chained_grad_outputs.add(k)
-            return buf
-    if src is not None and src.kind is BufferSource.SLOT:
+            buf = chained
+    if buf is None and src is not None and src.kind is BufferSource.SLOT:
         slot = _reuse.grad_output_slot(x.slots, src.slot, st, k)
         if _reuse.tensor_signature(slot) == _reuse.tensor_signature(o):
-            return slot.detach() if slot.requires_grad else slot
-    return torch.empty_like(o) if x.device is not None else torch.zeros_like(o)
+            buf = slot.detach() if slot.requires_grad else slot
+    if buf is None:
+        return torch.empty_like(o) if x.device is not None else torch.zeros_like(o)
+    if x.device is None:  # the eager engine: its earlier holder is dead (the core's plan)
+        buf.data.zero_()  # .data: no version bump, as a graph's kernel writes
+    return buf
 
 
 def capture_backward(x: Executor, st: PassState) -> None:
