@@ -638,7 +638,7 @@ class GraphedCallable(GraphedMark):
     def _own_param_grads(self, out: list[Tensor | None], lend: bool) -> None:
         """A parameter grad must not silently *become* a static buffer (pytorch#181723): when
         ``.grad`` is None, AccumulateGrad steals the incoming tensor as ``.grad``. It gets an
-        owned copy (one backward's copies share one allocation: :mod:`gograph._grad_pack`), or
+        owned copy (laid out for the caching allocator: :mod:`gograph._grad_pack`), or
         (policy lend, once the slot learnt that the caller drops its grads, unless ``lend`` is
         False: a create_graph backward, whose once-differentiable wrapper keeps aliases of it
         that nobody can redirect) the buffer itself; the lent-grad registry watches both until
@@ -664,8 +664,9 @@ class GraphedCallable(GraphedMark):
             copied.append(i)
             if lendable and slot.learned == _UNKNOWN:
                 watched.append(slot)
-        if copied:  # one allocation for all of them (_grad_pack: the default pool's packing)
-            for i, c in zip(copied, owned_copies([out[i] for i in copied])):  # type: ignore[misc]
+        if copied:  # laid out for the default pool (_grad_pack): natural sizes where the slots lend
+            natural = self._lent is not None
+            for i, c in zip(copied, owned_copies([out[i] for i in copied], natural)):  # type: ignore[misc]
                 out[i] = c
             handed += [(slot, out[slot.index], False) for slot in watched]  # type: ignore[misc]
         if handed:

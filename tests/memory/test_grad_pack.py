@@ -1,4 +1,6 @@
-"""One backward's owned parameter-grad copies share one allocation (gograph._grad_pack)."""
+"""One backward's owned parameter-grad copies (gograph._grad_pack): packed in one allocation
+(``_order`` schedules), or in their natural sizes with only the small ones packed (the default
+schedule)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 import gograph
-from gograph._grad_pack import MIN_PACK_BYTES, owned_copies
+from gograph._grad_pack import MIN_OWN_BYTES, owned_copies
 
 WIDTH = 512  # a 512x512 fp32 weight is 1 MiB: a layer's grads are worth packing
 
@@ -33,7 +35,7 @@ def test_contiguous_grads_share_one_new_buffer() -> None:
 @pytest.mark.parametrize(
     "grads",
     [
-        pytest.param([torch.randn(8, 8), torch.randn(8)], id="below MIN_PACK_BYTES"),
+        pytest.param([torch.randn(8, 8), torch.randn(8)], id="below MIN_OWN_BYTES"),
         pytest.param([torch.randn(WIDTH, WIDTH).t(), torch.randn(WIDTH)], id="non-contiguous"),
         pytest.param([torch.randn(WIDTH, WIDTH)], id="one grad"),
     ],
@@ -49,7 +51,7 @@ def test_clones_each_when_packing_saves_nothing_or_cannot_keep_the_layout(grads:
 def test_recording_autograd_clones_so_the_copies_stay_differentiable() -> None:
     w = torch.randn(WIDTH, WIDTH, requires_grad=True)
     grads = [w * 2, w * 3]
-    assert sum(g.nbytes for g in grads) >= MIN_PACK_BYTES
+    assert sum(g.nbytes for g in grads) >= MIN_OWN_BYTES
     copies = owned_copies(grads)
     assert all(c.grad_fn is not None for c in copies)
     assert len({_storage(c) for c in copies}) == 2
@@ -88,3 +90,27 @@ def test_pipeline_grads_pack_per_backward_and_train_like_eager(set_to_none: bool
                 assert torch.equal(p.grad, q.grad)
         for layer in layers + ref:
             layer.zero_grad(set_to_none=set_to_none)
+
+
+def test_natural_copies_are_allocations_of_their_own_and_the_small_ones_are_packed() -> None:
+    big = [torch.randn(WIDTH, WIDTH), torch.randn(WIDTH, WIDTH)]  # 1 MiB each
+    small = [torch.randn(WIDTH * 64), torch.randn(WIDTH * 64)]  # 128 KiB each, 256 KiB together
+    many = [torch.randn(WIDTH * 128) for _ in range(5)]  # 256 KiB each, 1.25 MiB together
+    with torch.no_grad():
+        copies = owned_copies([*big, *small], natural=True)
+        packed = owned_copies([*big, *many], natural=True)
+    assert len({_storage(c) for c in copies}) == 4  # below 1 MiB together: each cloned
+    assert all(c.untyped_storage().nbytes() == g.nbytes for c, g in zip(copies, [*big, *small]))
+    assert len({_storage(c) for c in packed[2:]}) == 1  # the small ones: one buffer
+    assert len({_storage(c) for c in packed[:2]}) == 2 and _storage(packed[0]) != _storage(packed[2])
+    for c, g in zip(packed, [*big, *many]):
+        assert torch.equal(c, g) and _storage(c) != _storage(g)
+
+
+def test_the_default_schedule_copies_a_first_grad_in_its_natural_size() -> None:
+    layer = torch.nn.Linear(WIDTH, WIDTH)
+    gograph.make_graphed_callables(layer, (torch.randn(4, WIDTH, requires_grad=True),))
+    layer(torch.randn(4, WIDTH, requires_grad=True)).sum().backward()
+    weight_grad = layer.weight.grad
+    assert weight_grad is not None and weight_grad.untyped_storage().nbytes() == weight_grad.nbytes
+    assert _storage(weight_grad) != _storage(layer.forward.static_grad_inputs[1])
