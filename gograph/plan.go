@@ -12,6 +12,7 @@ import (
 
 	"github.com/gograph/gograph/internal/lifetime"
 	"github.com/gograph/gograph/internal/memplan"
+	"github.com/gograph/gograph/internal/poolsim"
 	"github.com/gograph/gograph/internal/schedule"
 	"github.com/gograph/gograph/internal/wire"
 )
@@ -173,4 +174,21 @@ func PlanMemory(plan int64, trace string) (prediction string, err error) {
 		return "", fmt.Errorf("plan_memory: %w", err)
 	}
 	return wire.Prediction.Header() + res.Encode(), nil
+}
+
+// SimulatePools runs a training run's allocations (header "pools v1", then
+// the events of internal/poolsim) through the caching-allocator model, each
+// in its pool, and returns what the pools reserve (header "footprint v1"):
+// the footprint bench's peak reserved bytes, computed without a GPU.
+func SimulatePools(trace string) (footprint string, err error) {
+	defer recoverPanic("simulate_pools", &err)
+	_, body, err := wire.Pools.Body(trace)
+	if err != nil {
+		return "", fmt.Errorf("simulate_pools: %w", err)
+	}
+	res, err := poolsim.Simulate(body)
+	if err != nil {
+		return "", fmt.Errorf("simulate_pools: %w", err)
+	}
+	return wire.Footprint.Header() + res.Encode(), nil
 }

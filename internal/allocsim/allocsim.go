@@ -77,6 +77,7 @@ func (b *block) less(o *block) bool {
 // high-water marks of both.
 type Pool struct {
 	segments      int64
+	released      int64 // segments ReleaseCached gave back
 	reserved      int64
 	allocated     int64
 	peakReserved  int64
@@ -99,7 +100,8 @@ func (p *Pool) Allocated() int64 { return p.allocated }
 func (p *Pool) PeakReserved() int64  { return p.peakReserved }
 func (p *Pool) PeakAllocated() int64 { return p.peakAllocated }
 
-// Segments is how many segments the pool allocated.
+// Segments is how many segments the pool allocated (those given back
+// included).
 func (p *Pool) Segments() int64 { return p.segments }
 
 // Live reports whether id names a block handed out and not freed.
@@ -123,7 +125,8 @@ func (p *Pool) Where(id int) (seg, offset int64, ok bool) {
 	return b.seg, b.offset, true
 }
 
-// SegmentSizes lists the segments' sizes in creation order.
+// SegmentSizes lists the segments' sizes in creation order (0 for one
+// ReleaseCached gave back).
 func (p *Pool) SegmentSizes() []int64 {
 	sizes := make([]int64, p.segments)
 	seen := map[*block]bool{}
@@ -204,6 +207,24 @@ func (p *Pool) Seed(n int64) error {
 	}
 	p.peakAllocated = p.allocated
 	return nil
+}
+
+// ReleaseCached gives back every segment that is one free block, as
+// torch.cuda.empty_cache() does for a pool that no graph holds.
+func (p *Pool) ReleaseCached() {
+	for _, small := range []bool{true, false} {
+		list := p.freeList(small)
+		kept := (*list)[:0]
+		for _, b := range *list {
+			if b.prev == nil && b.next == nil {
+				p.reserved -= b.size
+				p.released++
+				continue
+			}
+			kept = append(kept, b)
+		}
+		*list = kept
+	}
 }
 
 // Free returns block id to the pool, merging it with free neighbours.

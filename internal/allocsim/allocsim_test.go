@@ -15,6 +15,23 @@ type op struct {
 func a(id int, n int64) op { return op{id: id, n: n} }
 func f(id int) op          { return op{free: true, id: id} }
 
+// apply runs ops on p, checking the pool's invariants after each.
+func apply(t *testing.T, p *Pool, ops []op) {
+	t.Helper()
+	for _, o := range ops {
+		var err error
+		if o.free {
+			err = p.Free(o.id)
+		} else {
+			err = p.Alloc(o.id, o.n)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkInvariants(t, p)
+	}
+}
+
 func TestPool(t *testing.T) {
 	cases := []struct {
 		name                        string
@@ -35,18 +52,7 @@ func TestPool(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			p := New()
-			for _, o := range c.ops {
-				var err error
-				if o.free {
-					err = p.Free(o.id)
-				} else {
-					err = p.Alloc(o.id, o.n)
-				}
-				if err != nil {
-					t.Fatal(err)
-				}
-				checkInvariants(t, p)
-			}
+			apply(t, p, c.ops)
 			if p.Reserved() != c.reserved || p.Allocated() != c.allocated || p.PeakReserved() != c.peakRs || p.Segments() != c.segments {
 				t.Errorf("reserved %d allocated %d peak %d segments %d; want %d %d %d %d",
 					p.Reserved()/MiB, p.Allocated(), p.PeakReserved()/MiB, p.Segments(), c.reserved/MiB, c.allocated, c.peakRs/MiB, c.segments)
@@ -129,7 +135,7 @@ func checkInvariants(t *testing.T, p *Pool) {
 		}
 		reserved += off
 	}
-	if int64(len(heads)) != p.segments || reserved != p.reserved {
+	if int64(len(heads)) != p.segments-p.released || reserved != p.reserved {
 		t.Fatalf("segments %d of %d, reserved %d of %d", len(heads), p.segments, reserved, p.reserved)
 	}
 }
@@ -148,7 +154,9 @@ func FuzzPool(f *testing.F) {
 		next := 0
 		var live []int
 		for i := 0; i+1 < len(data); i += 2 {
-			if data[i]&1 == 1 && len(live) > 0 {
+			if data[i] == 0xff { // torch.cuda.empty_cache()
+				p.ReleaseCached()
+			} else if data[i]&1 == 1 && len(live) > 0 {
 				k := int(data[i+1]) % len(live)
 				if err := p.Free(live[k]); err != nil {
 					t.Fatal(err)
@@ -211,5 +219,27 @@ func TestSeedLetsFreedNeighboursMerge(t *testing.T) {
 				t.Errorf("peak allocated %d MiB, want 60 (the seed is not counted)", p.PeakAllocated()/mib)
 			}
 		})
+	}
+}
+
+func TestReleaseCachedGivesBackWholeFreeSegmentsOnly(t *testing.T) {
+	p := New()
+	apply(t, p, []op{a(1, 64*MiB), a(2, 12*MiB), a(3, 1000), a(4, 5*MiB), a(5, 5*MiB), f(1), f(3), f(4)})
+	// segments: 64 MiB (free), 12 MiB (live), 2 MiB small (free), 20 MiB (half live)
+	if got, want := p.Reserved(), int64(98*MiB); got != want {
+		t.Fatalf("reserved %d, want %d", got, want)
+	}
+	p.ReleaseCached()
+	if got, want := p.Reserved(), int64(32*MiB); got != want {
+		t.Fatalf("after ReleaseCached reserved %d, want %d (the 12 MiB and 20 MiB segments)", got, want)
+	}
+	if got := p.PeakReserved(); got != 98*MiB {
+		t.Fatalf("peak reserved %d, want it kept", got)
+	}
+	if err := p.Alloc(6, 64*MiB); err != nil { // a new segment: the free one is gone
+		t.Fatal(err)
+	}
+	if got, want := p.Reserved(), int64(96*MiB); got != want {
+		t.Fatalf("reserved %d, want %d", got, want)
 	}
 }

@@ -28,6 +28,8 @@ var (
 	Facts      = Protocol{"facts", 1}      // Python -> core: what warmup learned
 	Trace      = Protocol{"trace", 1}      // Python -> core: what a warmup allocated
 	Prediction = Protocol{"prediction", 1} // core -> Python: the memory prediction
+	Pools      = Protocol{"pools", 1}      // Python -> core: a training run's allocations, by pool
+	Footprint  = Protocol{"footprint", 1}  // core -> Python: what those pools reserve
 )
 
 // Header is the first line of a text of p, with fields after the version

@@ -55,6 +55,7 @@ NAMES = (
     "plan_warmup",
     "plan_capture",
     "plan_memory",
+    "simulate_pools",
     "free_plan",
     "live_plans",
     "capture_seq",
