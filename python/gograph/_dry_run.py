@@ -6,10 +6,12 @@ host fails (``cudaErrorStreamCaptureUnsupported``): a scalar read (``.item()``, 
 ``bool(t)``, printing a tensor, ``torch.equal``), an op whose output size is data-dependent
 (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``, ``repeat_interleave`` without
 ``output_size``), a copy to the host (``.cpu()``, ``.numpy()``), and a device or stream
-synchronize. (Random ops pass: a generator the caller made may be one the CUDA engine carries,
-``CudaEngine(generators=...)``, as a tensor-parallel RNG tracker's.) The eager engine runs the
-callable at "capture" on the CPU, where each of these works: :func:`capture_checked` makes them
-fail there too, so a CPU test run says whether the model will capture.
+synchronize, and a random op that draws from a generator the capture does not carry (the default
+generator is carried; another one, a tensor-parallel RNG tracker's, only once registered:
+``CudaEngine(generators=...)``; the dry run takes the same list, ``EagerEngine(generators=...)``).
+The eager engine runs the callable at "capture" on the CPU, where each of these works:
+:func:`capture_checked` makes them fail there too, so a CPU test run says whether the model will
+capture.
 
 Only the eager engine's captures run under it (warmup may synchronize, on CUDA too), and only on
 the capturing thread: the synchronize functions are wrapped for the capture's duration and defer
@@ -74,10 +76,20 @@ def _bool_index(args: tuple[Any, ...]) -> bool:
 
 
 class _Ops(TorchDispatchMode):
-    """Refuses, per aten op, what needs the host."""
+    """Refuses, per aten op, what needs the host, and draws from generators not carried."""
+
+    def __init__(self, generators: tuple[torch.Generator, ...]) -> None:
+        super().__init__()
+        self.generators = generators
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        for g in (*args, *kwargs.values()):
+            if isinstance(g, torch.Generator) and not self._carried(g):
+                raise _refuse(
+                    f"op ({func}) draws from a generator the capture does not carry (register it: "
+                    "CudaEngine(generators=[g]), and EagerEngine(dry_run=True, generators=[g]) for this check)"
+                )
         what = _HOST_SYNC.get(func)
         if what is not None:
             raise _refuse(f"op ({func}) {what}")
@@ -86,6 +98,15 @@ class _Ops(TorchDispatchMode):
         if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             raise _refuse(f"op ({func}) without output_size has an output size that depends on the data")
         return func(*args, **kwargs)
+
+    def _carried(self, g: torch.Generator) -> bool:
+        # The dispatcher hands over a new Python object for the generator: the carried ones are
+        # recognised by device and state (two generators in one state draw the same numbers).
+        state = g.get_state()
+        return any(
+            c.device == g.device and torch.equal(c.get_state(), state)
+            for c in (torch.default_generator, *self.generators)
+        )
 
 
 class _Methods(TorchFunctionMode):
@@ -164,8 +185,9 @@ def _syncs_refused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def capture_checked() -> Iterator[None]:
+def capture_checked(generators: tuple[torch.Generator, ...] = ()) -> Iterator[None]:
     """Runs the body inside as a CUDA capture would accept it: each refused op raises
-    :class:`CaptureUnsupportedError` (a RuntimeError, as CUDA's) naming what and why."""
-    with _syncs_refused(), _Methods(), _Ops():
+    :class:`CaptureUnsupportedError` (a RuntimeError, as CUDA's) naming what and why.
+    ``generators``: those, besides the default one, that the capture carries."""
+    with _syncs_refused(), _Methods(), _Ops(generators):
         yield

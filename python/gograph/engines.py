@@ -643,15 +643,21 @@ class EagerEngine(Engine):
 
     name = "eager"
 
-    def __init__(self, dry_run: bool = False) -> None:
+    def __init__(self, dry_run: bool = False, generators: Sequence[torch.Generator] = ()) -> None:
         """``dry_run``: captures refuse what a CUDA capture cannot contain (host reads, syncs,
-        device-to-host copies), with :class:`gograph.CaptureUnsupportedError`. Off by default: a
-        model may take a CPU-only branch (one that reads a value on the host) that it does not
-        take on CUDA."""
+        device-to-host copies, draws from a generator the capture does not carry), with
+        :class:`gograph.CaptureUnsupportedError`. Off by default: a model may take a CPU-only
+        branch (one that reads a value on the host) that it does not take on CUDA.
+        ``generators``: the generators, besides the default one, that the CUDA engine will carry
+        (``CudaEngine(generators=...)``: a tensor-parallel RNG tracker's); a dry run refuses a
+        random op that draws from any other."""
         super().__init__()
         if not isinstance(dry_run, bool):
             raise TypeError(f"EagerEngine: dry_run must be a bool, got {type(dry_run).__name__}")
+        if not all(isinstance(g, torch.Generator) for g in generators):
+            raise TypeError("EagerEngine: generators must be torch.Generator objects")
         self.dry_run = dry_run
+        self._generators = tuple(generators)
         self._passes: dict[int, _EagerPassRecord] = {}
 
     def __repr__(self) -> str:
@@ -671,7 +677,7 @@ class EagerEngine(Engine):
         _core.begin_pass_capture(pass_id, kind, self.pool_key(pool), 0, 0)
         try:
             # what a CUDA capture would refuse, refused here too
-            with _dry_run.capture_checked() if self.dry_run else contextlib.nullcontext():
+            with _dry_run.capture_checked(self._generators) if self.dry_run else contextlib.nullcontext():
                 result = tuple(body(*body_args))
         except BaseException:
             _abort(pass_id, kind, 0)

@@ -185,3 +185,24 @@ def test_synchronize_is_refused_on_the_capturing_thread_only(monkeypatch: pytest
         _graph(sync)
     assert torch.cuda.synchronize is before  # unwrapped after the capture
     assert len(synced) == 3  # warmup's three forwards synchronized
+
+
+def test_a_draw_from_a_generator_the_capture_does_not_carry_is_refused() -> None:
+    """A random op on a generator of the caller's own (a tensor-parallel RNG tracker's) captures
+    on CUDA only once the engine carries it (``CudaEngine(generators=[g])``): the dry run takes
+    the same list and refuses a draw from any other generator."""
+    tracker = torch.Generator().manual_seed(3)
+
+    def noisy(y: torch.Tensor) -> torch.Tensor:
+        return y + torch.rand(y.shape, generator=tracker)
+
+    sample = (torch.randn(4, 4, requires_grad=True),)
+    with pytest.raises(gograph.CaptureUnsupportedError, match="draws from a generator the capture does not carry"):
+        gograph.make_graphed_callables(Tail(noisy), sample, engine=gograph.EagerEngine(dry_run=True))
+    g = gograph.make_graphed_callables(
+        Tail(noisy), sample, engine=gograph.EagerEngine(dry_run=True, generators=[tracker])
+    )
+    g(torch.randn(4, 4)).sum().backward()
+    g.reset()
+    with pytest.raises(TypeError, match="generators must be torch.Generator"):
+        gograph.EagerEngine(dry_run=True, generators=[3])  # type: ignore[list-item]
