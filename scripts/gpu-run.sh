@@ -52,7 +52,7 @@ for w in "${what[@]}"; do
                  --arms torch,gograph,gograph:chain_buffers=true --json "$out/steptime-stack-$m.json"; done 2>&1 \
                  | tee "$out/steptime.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     summary) timeout 500 python3 bench/footprint.py --jobs 8 --workloads chain,blocks \
-                 --arms eager,torch,gograph,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1+loss_in_graph=1 \
+                 --arms eager,torch,gograph,gograph:lend_param_grads=true,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1,gograph:chain_buffers=true+shared_samples=all+recv_into_static=1+loss_in_graph=1 \
                  --json "$out/summary-memory.json" 2>&1 | tee "$out/summary-memory.log"; rc=$(( rc | PIPESTATUS[0] ))
              timeout 400 python3 bench/footprint.py --jobs 4 --workloads pipeline \
                  --arms eager,eager:recv=1,gograph,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true,gograph:_reuse_graph_input_output_buffers=true+chain_buffers=true+shared_samples=true+recv_into_static=1 \
