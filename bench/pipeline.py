@@ -7,7 +7,9 @@ indexing). Each layer is ``x + fc2(gelu(fc1(layernorm(x))))``, hidden 1024 (fc1 
 rows, bf16; every sample input requires grad. A chunk's two layers are chained; each chunk's
 input is a fresh tensor (what the rank receives) and its backward takes a fresh output grad.
 
-For ``_reuse_graph_input_output_buffers`` False and True it reports
+For ``_reuse_graph_input_output_buffers`` False and True, and ``share_microbatch_graphs`` (mode
+``share``: a layer's microbatches never in flight together replay one set of graphs), at each
+microbatch count of ``--microbatches``, it reports
 
 * peak memory during ``make_graphed_callables`` and memory retained after it, both counted from
   before the sample args were allocated (the samples are dropped after the call, as Megatron
@@ -18,6 +20,7 @@ For ``_reuse_graph_input_output_buffers`` False and True it reports
 
   python bench/pipeline.py [--json out.json] [--iters 10]      # GPU, CUDA flavor
   python bench/pipeline.py --cpu-smoke                         # tiny sizes, eager engine (checks)
+  python bench/pipeline.py --modes no-reuse,share --microbatches 8,16,32,64   # captures per microbatch count
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class Layer(torch.nn.Module):
 class Config:
     def __init__(self, args: argparse.Namespace) -> None:
         self.smoke = args.cpu_smoke
-        self.stages, self.rank, self.chunks, self.layers, self.micro = 4, 0, 4, 2, 8
+        self.stages, self.rank, self.chunks, self.layers, self.micro = 4, 0, 4, 2, args.microbatches
         if self.smoke:
             self.hidden, self.ffn, self.rows = 32, 128, 16
             self.dtype, self.device = torch.float32, torch.device("cpu")
@@ -199,7 +202,7 @@ def eager_floor(cfg: Config) -> dict[str, int | None]:
     return {"peak_bytes": peak}
 
 
-def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
+def bench_mode(cfg: Config, reuse: bool, share: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     layers = [Layer(cfg.hidden, cfg.ffn).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.layers)]
     params = [p for m in layers for p in m.parameters()]
@@ -219,6 +222,7 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
         _order=cfg.order,
         _num_layers_per_chunk=cfg.layers,
         _reuse_graph_input_output_buffers=reuse,
+        share_microbatch_graphs=share,
         engine="eager" if cfg.smoke else None,
     )
     _sync(cfg)
@@ -234,6 +238,9 @@ def bench_mode(cfg: Config, reuse: bool) -> dict[str, Any]:
     sample_buffers = cfg.passes * 2  # per pass: its input and its output's grad buffer
     result: dict[str, Any] = {
         "reuse": reuse,
+        "share": share,
+        "microbatches": cfg.micro,
+        "graph_sets": len({g.pass_id for g in graphed}),
         "engine": graphed[0].engine.name,
         "call_seconds": call_s,
         "capture_seconds": capture_s,
@@ -285,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-iters", type=int, default=3, help="num_warmup_iters of make_graphed_callables")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=4096)
-    ap.add_argument("--modes", default="no-reuse,reuse", help="comma-separated: no-reuse, reuse")
+    ap.add_argument("--modes", default="no-reuse,reuse", help="comma-separated: no-reuse, reuse, share")
+    ap.add_argument("--microbatches", default="8", help="comma-separated microbatch counts (multiples of 4)")
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not (torch.cuda.is_available() and gograph.cuda_available()):
         print(
@@ -294,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    counts = [int(m) for m in str(args.microbatches).split(",")]
+    args.microbatches = counts[0]
     cfg = Config(args)
     results: dict[str, Any] = {"config": cfg.as_dict(), "results": {}}
     if cfg.device.type == "cuda":
@@ -320,14 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         f"eager run of the order over the samples: peak {_fmt(floor['peak_bytes'])} (the floor for any "
         "graphing that keeps each pass's activations until its backward)"
     )
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        if mode not in ("no-reuse", "reuse"):
+    runs = [(m, mode.strip()) for m in counts for mode in args.modes.split(",") if mode.strip()]
+    for micro, mode in runs:
+        if mode not in ("no-reuse", "reuse", "share"):
             ap.error(f"unknown mode {mode!r}")
-        r = bench_mode(cfg, reuse=mode == "reuse")
-        results["results"][mode] = r
+        args.microbatches = micro
+        cfg = Config(args)
+        key = mode if len(counts) == 1 else f"{mode} x{micro}"
+        r = bench_mode(cfg, reuse=mode == "reuse", share=mode == "share")
+        results["results"][key] = r
         print(
-            f"[{mode}] engine={r['engine']} call {r['call_seconds']:.2f} s (captures {r['captures']}, "
-            f"{(r['capture_seconds'] or 0):.2f} s)"
+            f"[{key}] engine={r['engine']} call {r['call_seconds']:.2f} s (captures {r['captures']}, "
+            f"{r['graph_sets']} sets of graphs for {cfg.passes} passes, {(r['capture_seconds'] or 0):.2f} s)"
         )
         deltas = [d for d in (r["capture_memory_deltas"] or []) if d is not None]
         running, top = 0, 0

@@ -179,14 +179,14 @@ func FuzzPlanBoundary(f *testing.F) {
 			noPanic(t, "plan_steps", err)
 			w1, err := PlanWarmup(h, warm%8, flags&8 != 0, flags&16 != 0, flags&32 != 0)
 			noPanic(t, "plan_warmup", err)
-			c1, err := PlanCapture(h, facts, flags&1 != 0, flags&2 != 0, flags&4 != 0)
+			c1, err := PlanCapture(h, facts, flags&1 != 0, flags&2 != 0, flags&4 != 0, flags&64 != 0)
 			noPanic(t, "plan_capture", err)
 			if err != nil && !strings.HasPrefix(err.Error(), "plan_capture: ") {
 				t.Fatalf("plan_capture error without its name: %v", err)
 			}
 			s2, _ := PlanSteps(h)
 			w2, _ := PlanWarmup(h, warm%8, flags&8 != 0, flags&16 != 0, flags&32 != 0)
-			c2, _ := PlanCapture(h, facts, flags&1 != 0, flags&2 != 0, flags&4 != 0)
+			c2, _ := PlanCapture(h, facts, flags&1 != 0, flags&2 != 0, flags&4 != 0, flags&64 != 0)
 			if steps != s2 || w1 != w2 || c1 != c2 {
 				t.Fatal("planning is not deterministic")
 			}

@@ -242,7 +242,7 @@ func surface() map[string]error {
 	_, errs["plan_schedule"] = PlanSchedule("", "", 1, 1, true, 1)
 	_, errs["plan_steps"] = PlanSteps(1)
 	_, errs["plan_warmup"] = PlanWarmup(1, 1, false, false, true)
-	_, errs["plan_capture"] = PlanCapture(1, "", false, false, false)
+	_, errs["plan_capture"] = PlanCapture(1, "", false, false, false, false)
 	_, errs["plan_memory"] = PlanMemory(1, "")
 	_, errs["set_replay_recarve_spec"] = SetReplayRecarveSpec(1, 0, "")
 	_, errs["replay_clobbers"] = ReplayClobbers(1, 0)

@@ -106,9 +106,9 @@ func PlanWarmup(plan int64, iters int, hooks, wholeStep, ownPool bool) (program 
 // consecutive layers' buffers, release hands dead pool buffers back to the
 // pool (an engine with device pools). The program stays with the plan
 // (PlanMemory reads it).
-func PlanCapture(plan int64, facts string, reuse, chain, release bool) (program string, err error) {
+func PlanCapture(plan int64, facts string, reuse, chain, release, share bool) (program string, err error) {
 	defer recoverPanic("plan_capture", &err)
-	prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release})
+	prog, err := captureProgram(plan, facts, lifetime.Options{Reuse: reuse, Chain: chain, Release: release, Share: share})
 	if err != nil {
 		return "", fmt.Errorf("plan_capture: %w", err)
 	}

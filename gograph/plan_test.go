@@ -72,7 +72,7 @@ func TestPlanWarmupAndCapture(t *testing.T) {
 		}
 	}
 	facts := "facts v1\npass 0 1 0 1 -1 -1\nin 0 0 0 1 1\nout 0 1 1\npass 1 1 0 1 -1 -1\nin 1 1 1 1 1\nout 1 1 1\n"
-	got, err := PlanCapture(h, facts, false, true, true)
+	got, err := PlanCapture(h, facts, false, true, true, false)
 	want := "program v1\nop F 0\nop F 1\nop B 1\nop X 1\nop B 0\nop X 0\nop R d 1 0\nop H -1\n" +
 		"lent F 0 8\nlent F 1 8\nlent B 1 8\nlent B 0 8\nin 1 0 c 0 0\ngout 0 0 c 1 0\nslots 0\n"
 	if err != nil || got != want {
@@ -89,7 +89,7 @@ func TestPlanWarmupAndCapture(t *testing.T) {
 		{h, "facts v1\nin 7 0 0 0 0", "plan_capture: facts line 0"},
 		{h, "facts v1\npass 0 0 1 0 -1 -1", "plan_capture: pass 0 has a weight-gradient graph but no backward graph"},
 	} {
-		if _, err := PlanCapture(bad.plan, bad.facts, true, false, false); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
+		if _, err := PlanCapture(bad.plan, bad.facts, true, false, false, false); err == nil || !strings.HasPrefix(err.Error(), bad.want) {
 			t.Errorf("PlanCapture(%d, %q): %v, want %q", bad.plan, bad.facts, err, bad.want)
 		}
 	}
@@ -125,7 +125,7 @@ func TestPlanMemory(t *testing.T) {
 	if _, err := PlanMemory(h, trace); err == nil || !strings.Contains(err.Error(), "plan_memory: plan handle 1") && !strings.Contains(err.Error(), "no capture program yet") {
 		t.Errorf("PlanMemory before PlanCapture: %v", err)
 	}
-	if _, err := PlanCapture(h, facts, false, false, true); err != nil {
+	if _, err := PlanCapture(h, facts, false, false, true, false); err != nil {
 		t.Fatal(err)
 	}
 	got, err := PlanMemory(h, trace)

@@ -35,6 +35,7 @@ func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 	}
 	at := readSteps(p, facts)
 	prog := newProgram(facts)
+	prog.Share = shareGraphs(p, facts, at, opt)
 	if opt.Chain {
 		chain(p, facts, prog)
 	}
@@ -53,6 +54,11 @@ func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 		compareTE(p, bufs, facts, prog.Sigs)
 	}
 	gradPolicies(p, facts, prog, at, opt)
+	for pass, r := range prog.Share { // a sharing pass has nothing of its own
+		if r != pass {
+			prog.Inputs[pass], prog.GradOutputs[pass], prog.GradPolicy[pass] = nil, nil, nil
+		}
+	}
 	if err := captureOps(p, facts, prog, bufs, at); err != nil {
 		return nil, err
 	}
@@ -177,8 +183,12 @@ func separate(facts []Facts, prog *Program, at steps) {
 		life [2]int
 	}
 	readers := map[int][]reader{} // region -> the leaves reading their samples
+	lives := colourLifetimes(facts, at, prog.Share)
 	for pass, f := range facts {
-		life := inputLifetime(f, at, pass)
+		if prog.Share[pass] != pass {
+			continue // reads its representative's buffers
+		}
+		life := lives[pass]
 		for j, in := range f.Inputs {
 			if in.Region == 0 || prog.Inputs[pass][j].Kind != Own {
 				continue
@@ -240,6 +250,9 @@ func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt O
 	var bufs []*buffer
 	readers := chainedReaders(prog)
 	for pass, f := range facts {
+		if prog.Share[pass] != pass {
+			continue // its representative's buffers serve it
+		}
 		fw, bw, w := at.fwd(pass), at.bwd(pass), at.wgrad(pass)
 		if !f.Backward {
 			bw, w = -1, -1
@@ -431,6 +444,9 @@ func captureOps(p *schedule.Plan, facts []Facts, prog *Program, bufs []*buffer, 
 		}
 	}
 	for pass, f := range facts {
+		if prog.Share[pass] != pass {
+			continue
+		}
 		for i, g := range f.ParamGrads {
 			if prog.GradPolicy[pass][i] == GradTransient {
 				// the graph that writes them: the weight-gradient graph where there is one
@@ -441,6 +457,9 @@ func captureOps(p *schedule.Plan, facts []Facts, prog *Program, bufs []*buffer, 
 	}
 	for i, s := range p.Steps {
 		f := facts[s.Pass]
+		if prog.Share[s.Pass] != s.Pass {
+			s.Kind = 0 // replays its representative's graphs: nothing to capture
+		}
 		switch s.Kind {
 		case schedule.Forward:
 			prog.Ops = append(prog.Ops, Op{Kind: CaptureForward, Pass: s.Pass})

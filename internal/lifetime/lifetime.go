@@ -168,6 +168,9 @@ type Options struct {
 	Reuse   bool // share slot buffers by liveness (_reuse_graph_input_output_buffers)
 	Chain   bool // chain consecutive layers' buffers (chain_buffers)
 	Release bool // the engine has a device pool: dead pool buffers go back to it
+	// Share: the microbatches of one layer that are never in flight
+	// together replay one set of graphs (an _order without Reuse or Chain).
+	Share bool
 }
 
 // GradPolicy is how a parameter grad reaches .grad.

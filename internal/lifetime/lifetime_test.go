@@ -3,6 +3,7 @@ package lifetime
 import (
 	"fmt"
 	"math/rand"
+	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -528,7 +529,13 @@ func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Optio
 		}
 		return -1
 	}
+	if err := shareInvariants(p, facts, prog, opt); err != nil {
+		return err
+	}
 	for pass, f := range facts {
+		if prog.Share[pass] != pass {
+			continue // checked by shareInvariants: it captures nothing
+		}
 		fw, bw, w, x := at(CaptureForward, pass), at(CaptureBackward, pass), at(CaptureWGrad, pass), at(DropCapture, pass)
 		if fw < 0 || x < fw || (f.Backward != (bw >= 0)) || (bw >= 0 && (bw < fw || x < bw)) || (w >= 0 && w < bw) {
 			return fmt.Errorf("pass %d: F %d B %d W %d X %d (backward %v)", pass, fw, bw, w, x, f.Backward)
@@ -575,6 +582,46 @@ func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Optio
 	return slotInvariants(p, facts, prog)
 }
 
+// shareInvariants: sharing only where the options allow it; a sharing pass
+// names a representative with its facts, and has no op, source or policy;
+// the members of one colour are never in flight together.
+func shareInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Options) error {
+	if len(prog.Share) != len(facts) {
+		return fmt.Errorf("share has %d entries for %d passes", len(prog.Share), len(facts))
+	}
+	at := readSteps(p, facts)
+	members := map[int][][2]int{}
+	for pass, r := range prog.Share {
+		members[r] = append(members[r], inputLifetime(facts[pass], at, pass))
+		if r == pass {
+			continue
+		}
+		if !opt.Share || !p.Ordered || opt.Reuse || opt.Chain {
+			return fmt.Errorf("pass %d shares pass %d's graphs with options %+v", pass, r, opt)
+		}
+		if prog.Share[r] != r || shareKey(facts[pass]) != shareKey(facts[r]) {
+			return fmt.Errorf("pass %d shares pass %d, which is no representative or has other facts", pass, r)
+		}
+		if len(prog.Inputs[pass])+len(prog.GradOutputs[pass])+len(prog.GradPolicy[pass]) > 0 {
+			return fmt.Errorf("sharing pass %d has sources or policies of its own", pass)
+		}
+		for _, o := range prog.Ops {
+			if o.Pass == pass {
+				return fmt.Errorf("sharing pass %d has op %s", pass, o)
+			}
+		}
+	}
+	for r, lives := range members {
+		sort.Slice(lives, func(a, b int) bool { return lives[a][0] < lives[b][0] })
+		for i := 1; i < len(lives); i++ {
+			if lives[i][0] <= lives[i-1][1] {
+				return fmt.Errorf("colour of pass %d: lifetimes %v and %v overlap", r, lives[i-1], lives[i])
+			}
+		}
+	}
+	return nil
+}
+
 // regionInvariants: no leaf that requires grad reads its sample while
 // another leaf of its memory is live, no two leaves of one pass read one
 // region, no leaf reading its sample overlaps a parameter, and only shared
@@ -586,8 +633,12 @@ func regionInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
 		life       [2]int
 	}
 	readers := map[int][]reader{}
+	lives := colourLifetimes(facts, at, prog.Share) // a representative's buffers serve its whole colour
 	for pass, f := range facts {
-		life := inputLifetime(f, at, pass)
+		if prog.Share[pass] != pass {
+			continue
+		}
+		life := lives[pass]
 		for j, in := range f.Inputs {
 			switch src := prog.Inputs[pass][j]; {
 			case src.Kind == Fresh && in.Region == 0:
@@ -769,7 +820,7 @@ func TestPropertyRandomSchedules(t *testing.T) {
 				facts[pass].Outputs[0].RequiresGrad = true
 			}
 		}
-		opt := Options{Reuse: p.Ordered && rng.Intn(2) == 0, Chain: rng.Intn(2) == 0, Release: rng.Intn(3) > 0}
+		opt := Options{Reuse: p.Ordered && rng.Intn(2) == 0, Chain: rng.Intn(2) == 0, Release: rng.Intn(3) > 0, Share: rng.Intn(2) == 0}
 		prog, err := Capture(p, facts, opt)
 		if err != nil {
 			t.Fatalf("schedule %v: %v", p.Steps, err)
@@ -799,7 +850,7 @@ func FuzzPlanCapture(f *testing.F) {
 		if err != nil {
 			return
 		}
-		opt := Options{Reuse: flags&1 != 0, Chain: flags&2 != 0, Release: flags&4 != 0}
+		opt := Options{Reuse: flags&1 != 0, Chain: flags&2 != 0, Release: flags&4 != 0, Share: flags&8 != 0}
 		prog, err := Capture(p, facts, opt)
 		if err != nil {
 			return

@@ -95,6 +95,10 @@ type Program struct {
 	// replay; len(Ops) when no lending backward of this build is. Not set
 	// (-1) for other ops.
 	LentFrom []int
+	// Share[pass] is the pass whose graphs and buffers it replays (itself
+	// for a pass that captures its own; see share.go). A sharing pass has
+	// no op, no buffer source and no policy of its own.
+	Share []int
 }
 
 // Encode renders the program in the text form Python reads once per build:
@@ -107,10 +111,14 @@ type Program struct {
 //	sig S buffers slots tefifo
 //	slots N
 //	lent K pass from         the graph of op K (pass's) overwrites grads lent by backwards captured from op "from" on
+//	share pass rep           pass replays rep's graphs and buffers (it captures nothing)
 func (p *Program) Encode() string {
 	var b strings.Builder
 	for _, o := range p.Ops {
 		fmt.Fprintf(&b, "op %s\n", o)
+	}
+	for _, s := range p.Sharers() {
+		fmt.Fprintf(&b, "share %d %d\n", s[0], s[1])
 	}
 	for i, from := range p.LentFrom {
 		if from >= 0 {

@@ -55,6 +55,7 @@ class GraphOptions(TypedDict, total=False):
     _num_layers_per_chunk: int | Sequence[int] | None
     retain_graph_in_backward: bool
     _reuse_graph_input_output_buffers: bool
+    share_microbatch_graphs: bool
     pre_warmup_hook: Callable[[], Any] | None
     post_warmup_hook: Callable[[], Any] | None
     capture_time_hooks: Sequence[dict[str, dict[Any, Any]] | None] | None
@@ -92,6 +93,7 @@ class Request:
     progress: bool
     chain: bool
     reuse: bool
+    share: bool
     order: tuple[Any, ...] | None
     layers: Any
     training: bool
@@ -233,6 +235,7 @@ _BOOL_OPTIONS = {
     "chain_buffers": False,
     "retain_graph_in_backward": False,
     "_reuse_graph_input_output_buffers": False,
+    "share_microbatch_graphs": False,
 }
 
 
@@ -264,6 +267,7 @@ def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: in
             "gograph: chain_buffers needs num_warmup_iters >= 1 (warmup learns the outputs each "
             "layer hands to the next)"
         )
+    share = _share_option(options, ordered, reuse, bool(chain), bool(clone))
     mode = options.get("capture_error_mode", "global")
     if mode not in CAPTURE_MODES:
         raise ValueError(f"gograph: capture_error_mode must be one of {sorted(CAPTURE_MODES)} (torch's), got {mode!r}")
@@ -280,10 +284,35 @@ def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: in
         "retain_graph": retain,
         "reuse": reuse,
         "chain": chain,
+        "share": share,
         "capture_mode": CAPTURE_MODES[mode],
         "debug_replay_order": None if debug is None else bool(debug),
         "progress": bool(options.get("progress", False)),
     }
+
+
+def _share_option(options: Mapping[str, Any], ordered: bool, reuse: bool, chain: bool, clone: bool) -> bool:
+    """``share_microbatch_graphs``: only with ``_order`` (the schedule says which microbatches are
+    in flight together), not with the buffer plans that span passes, and not with torch's aliased
+    parameter grads."""
+    share = bool(options.get("share_microbatch_graphs", False))
+    if share and not ordered:
+        raise ValueError(
+            "gograph: share_microbatch_graphs needs _order: the pipeline schedule says which microbatches of a "
+            "layer are in flight together (without _order every callable is one pass)"
+        )
+    if share and (reuse or chain):
+        raise ValueError(
+            "gograph: share_microbatch_graphs cannot be combined with "
+            f"{'_reuse_graph_input_output_buffers' if reuse else 'chain_buffers'}: those plan buffers across "
+            "passes, and a shared graph's buffers serve several microbatches; choose one"
+        )
+    if share and not clone:
+        raise ValueError(
+            "gograph: share_microbatch_graphs needs clone_param_grads_on_return=True: with torch's aliasing a "
+            "microbatch's .grad would be the static buffer the next microbatch's backward overwrites"
+        )
+    return share
 
 
 def _pool_or_sample_kwargs(pool: Any, options: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:

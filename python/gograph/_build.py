@@ -39,6 +39,7 @@ from ._args import PassSpec, Request
 from ._exec import BuildHooks, Executor, HookList, Hooks, Phase, ProgramKind
 from ._kinds import BufferSource, CaptureOp, GradPolicy, WarmOp
 from ._shared_inputs import SharedInput, shared_inputs
+from ._sharers import Sharers
 from ._state import PassState
 from ._wire import CaptureProgram, Op
 from .engines import CudaEngine, Engine, resolve_engine
@@ -106,6 +107,7 @@ class Build:
         self.rng_at: Hashable = None
         self.warm_pool: Hashable | None = None  # the pool warmup (or the seed) allocated in, while referenced
         self.seed = 0  # bytes carved in the pool before the first capture (the core's choice)
+        self.colour_pools: dict[int, Hashable] = {}  # a shared colour's representative -> its own pool
         self._rng: Any = None
         self._rolled_back = False
 
@@ -177,7 +179,8 @@ class Build:
             if req.pre_warmup_hook is not None:
                 req.pre_warmup_hook()
             whole = probe and self._post_hook_on_error(self._whole_step, has_hooks)
-        program = _plan.warmup_program(self.schedule, req.num_warmup_iters, has_hooks, whole, req.pool is None)
+        own_pool = req.pool is None and not req.share  # shared colours capture in pools of their own
+        program = _plan.warmup_program(self.schedule, req.num_warmup_iters, has_hooks, whole, own_pool)
         pool = self.pool if program.in_pool else None
         if pool is not None:
             self.engine.release_cached()  # what the probe cached must not stay beside the pool
@@ -234,7 +237,7 @@ class Build:
         req, sigs = self.req, _reuse.Signatures()
         release = isinstance(self.engine, CudaEngine)
         facts = _reuse.facts(self.states, sigs, req.clone_param_grads)
-        self.program = program = _plan.capture_program(self.schedule, facts, req.reuse, req.chain, release)
+        self.program = program = _plan.capture_program(self.schedule, facts, req.reuse, req.chain, release, req.share)
         if req.reuse or req.chain:
             self.reuse = _reuse.BufferReuse.of(program, sigs)
             if not release:
@@ -242,8 +245,17 @@ class Build:
         self.hooks.planned(self, program)
         return program
 
+    def pool_of(self, st: PassState) -> Hashable:
+        """The pool the pass's graphs are captured in. A colour of passes that replay one set of
+        graphs (``share_microbatch_graphs``) has a pool of its own: its graphs replay whenever
+        a member's turn comes, out of the capture order that makes one pool's reuse safe."""
+        rep = self.program.share.get(st.index, st.index) if self.program is not None else st.index
+        return self.colour_pools.get(rep, self.pool)
+
     def _capture(self, program: CaptureProgram) -> None:
         """The capture program, after the buffers it names were put in place and the seed carved."""
+        for rep in sorted(set(program.share.values())):
+            self.colour_pools[rep] = self.engine.new_pool()
         _captures.apply_separated(self.states, program)
         self.slots = _captures.apply_slots(self.states, program)
         if self.seed > 0 and self.warm_pool is None and self.req.pool is None:
@@ -260,13 +272,21 @@ class Build:
             self.engine.end_warmup_in_pool(pool)
 
     def _seal(self) -> None:
+        share = self.program.share if self.program is not None else {}
         for st in self.states:
-            self._enter("seal", st)
-            self.engine.seal(st.pass_id)
+            if st.index not in share:
+                self._enter("seal", st)
+                self.engine.seal(st.pass_id)
+        for st in self.states:
+            if st.index in share:  # replays its representative's graphs: its own record goes
+                self._enter("seal", st)
+                self.engine.drop(st.pass_id, self.pool_of(st))
+                st.pass_id = self.states[share[st.index]].pass_id
         self.engine.synchronize()  # captures complete before the first replay
         if self.debug:
             for st in self.states:
-                _core.set_replay_order_check(st.pass_id, True)
+                if st.index not in share:
+                    _core.set_replay_order_check(st.pass_id, True)
 
     def rollback(self) -> None:
         """Every pass created so far is dropped, the pool reference warmup holds returned, the
@@ -276,7 +296,7 @@ class Build:
         self._rolled_back = True
         for st in self.states:
             try:
-                self.engine.drop(st.pass_id, self.pool)
+                self.engine.drop(st.pass_id, self.pool_of(st))
             except Exception as cleanup_error:  # keep the original error
                 log.warning("releasing pass %d after a failed build: %s", st.pass_id, str(cleanup_error))
         try:
@@ -333,16 +353,19 @@ class Build:
             lent=lent_grads(self.engine.pool_key(self.pool)),
             lend_param_grads=self.req.lend_param_grads,
         )
+        rep = [self.states[program.share.get(st.index, st.index)] for st in self.states]  # whose graphs it replays
         guards = shared_inputs(
-            [st.flat_args for st in self.states],
-            [st.pass_id for st in self.states],
+            [r.flat_args for r in rep],
+            [st.index for st in self.states],
             [f"graphed callable {st.index} ({st.spec.label})" for st in self.states],
-            [_plain_copies(st) for st in self.states],
-            [k in program.backwards for k in range(len(self.states))],
+            [_plain_copies(r) for r in rep],
+            [r.index in program.backwards for r in rep],
         )
+        sharers = _sharers(self.states, program)
         out = []
-        for st, shared_leaves in zip(self.states, guards):
-            out.append(GraphedCallable(st.spec, _result(st, program, shared_leaves), st.pass_id, shared))
+        for st, r, shared_leaves in zip(self.states, rep, guards):
+            result = _result(r, program, shared_leaves, sharers.get(r.index), self.pool_of(r))
+            out.append(GraphedCallable(st.spec, result, r.pass_id, shared))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "graphed callable %d (%s) as pass %d on the %s engine (backward graph: %s)",
@@ -386,7 +409,26 @@ def _plain_copies(st: PassState) -> frozenset[int]:
     return frozenset(st.chained_inputs) | st.mutated_inputs
 
 
-def _result(st: PassState, program: CaptureProgram, shared_leaves: dict[int, SharedInput]) -> PassResult:
+def _sharers(states: Sequence[PassState], program: CaptureProgram) -> dict[int, Sharers]:
+    """Per representative pass that others replay the graphs of (``share_microbatch_graphs``),
+    the guard its colour shares: every member's index and label."""
+    colours: dict[int, dict[int, str]] = {}
+    for p, q in program.share.items():
+        colours.setdefault(q, {q: _label(states[q])})[p] = _label(states[p])
+    return {q: Sharers(members) for q, members in colours.items()}
+
+
+def _label(st: PassState) -> str:
+    return f"graphed callable {st.index} ({st.spec.label})"
+
+
+def _result(
+    st: PassState,
+    program: CaptureProgram,
+    shared_leaves: dict[int, SharedInput],
+    sharers: Sharers | None = None,
+    pool: Hashable | None = None,
+) -> PassResult:
     n = len(st.flat_args)
     policy: dict[int, GradPolicy] = {}
     if st.has_backward:
@@ -424,4 +466,6 @@ def _result(st: PassState, program: CaptureProgram, shared_leaves: dict[int, Sha
         shared_grad_outputs=frozenset(
             k for (q, k), src in program.grad_outputs.items() if q == st.index and src.kind is BufferSource.SLOT
         ),
+        sharers=sharers,
+        pool=pool,
     )

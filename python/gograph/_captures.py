@@ -159,7 +159,7 @@ def capture_forward(x: Executor, st: PassState) -> None:
             int(GraphKind.FORWARD),
             st.capture_body,
             *st.body_args,
-            pool=x.pool,
+            pool=x.pool_of(st),
             uses_rng=st.rng[0],
             mode=req.capture_mode,
         )
@@ -228,7 +228,7 @@ def capture_backward(x: Executor, st: PassState) -> None:
                 int(GraphKind.BACKWARD),
                 body,
                 outputs,
-                pool=x.pool,
+                pool=x.pool_of(st),
                 uses_rng=st.rng[1],
                 mode=req.capture_mode,
             )
@@ -249,6 +249,6 @@ def capture_wgrad(x: Executor, st: PassState) -> None:
         return  # no backward ran (its outputs need no grad, known at capture without warmup): nothing to do
     body = _te.WgradBody(mods, st.spec.label)
     _, st.seq[2] = x.engine.capture(
-        st.pass_id, int(GraphKind.WGRAD), body, pool=x.pool, uses_rng=st.rng[2], mode=x.req.capture_mode
+        st.pass_id, int(GraphKind.WGRAD), body, pool=x.pool_of(st), uses_rng=st.rng[2], mode=x.req.capture_mode
     )
     st.wgrad_body = body

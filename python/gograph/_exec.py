@@ -64,6 +64,11 @@ class Executor(Protocol):
 
     def return_warm_pool(self) -> None: ...
 
+    def pool_of(self, st: PassState) -> Hashable:
+        """The pool the pass's graphs are captured in: the build's, or its colour's own
+        (``share_microbatch_graphs``)."""
+        ...
+
 
 class BuildHooks(Protocol):
     """What an observer of a build sees, in order: each program (``program``, a context around

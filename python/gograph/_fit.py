@@ -19,9 +19,15 @@ __all__ = ["check_for_engine"]
 
 
 def check_for_engine(req: Request, specs: Sequence[PassSpec], engine: Engine) -> None:
-    """Devices, pool token and autocast against the engine chosen."""
+    """Devices, pool token, autocast and the options an engine does not run, against the engine
+    chosen."""
     if isinstance(engine, CudaEngine):
         _check_devices(specs, engine.device)
+        if req.share:
+            raise NotImplementedError(
+                "gograph: share_microbatch_graphs is not available on the CUDA engine yet (graphs shared by "
+                "microbatches are verified on the eager engine only); graph without it"
+            )
     _pool.check(req.pool, engine.name)
     cache = torch.is_autocast_enabled() and torch.is_autocast_cache_enabled()
     if isinstance(engine, EagerEngine):

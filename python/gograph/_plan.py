@@ -227,11 +227,14 @@ def warmup_program(
     return WarmupProgram.decode(text)
 
 
-def capture_program(schedule: Schedule, facts: Facts, reuse: bool, chain: bool, release: bool) -> CaptureProgram:
+def capture_program(
+    schedule: Schedule, facts: Facts, reuse: bool, chain: bool, release: bool, share: bool = False
+) -> CaptureProgram:
     """Plans the captures from what warmup learned (``facts``); the core keeps the program with
-    the schedule, where :func:`predict` reads it."""
+    the schedule, where :func:`predict` reads it. ``share``: microbatches of a layer that are never
+    in flight together replay one set of graphs (``CaptureProgram.share``)."""
     return CaptureProgram.decode(
-        str(_core.plan_capture(schedule.handle, facts.text(), bool(reuse), bool(chain), bool(release)))
+        str(_core.plan_capture(schedule.handle, facts.text(), bool(reuse), bool(chain), bool(release), bool(share)))
     )
 
 

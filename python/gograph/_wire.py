@@ -163,12 +163,15 @@ class CaptureProgram:
     sigs: dict[int, tuple[int, int, int]]
     slots: int
     lent_from: dict[tuple[CaptureOp, int], int] = field(default_factory=dict)
+    #: pass -> the pass whose graphs and buffers it replays (``share_microbatch_graphs``); a pass
+    #: not in it captures its own
+    share: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def decode(cls, text: str) -> CaptureProgram:
         _, lines = _body(text, PROGRAM)
         ops: list[Op] = []
-        inputs, gouts, policy, sigs, lent, slots = {}, {}, {}, {}, {}, 0
+        inputs, gouts, policy, sigs, lent, slots, share = {}, {}, {}, {}, {}, 0, {}
         for f in lines:
             tag = f[0]
             if tag == "op":
@@ -185,7 +188,9 @@ class CaptureProgram:
                 lent[(_CAPTURE_OPS[f[1]], int(f[2]))] = int(f[3])
             elif tag == "slots":
                 slots = int(f[1])
-        return cls(tuple(ops), inputs, gouts, policy, sigs, slots, lent)
+            elif tag == "share":
+                share[int(f[1])] = int(f[2])
+        return cls(tuple(ops), inputs, gouts, policy, sigs, slots, lent, share)
 
     @property
     def backwards(self) -> frozenset[int]:

@@ -40,6 +40,7 @@ from ._handouts import WATCH
 from ._kinds import GradPolicy
 from ._marks import GraphedMark
 from ._shared_inputs import SharedInput
+from ._sharers import Sharers
 from .engines import BACKWARD, CAPTURE_STATE, FORWARD, WGRAD, CudaEngine, Engine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,6 +90,8 @@ class PassResult:
     lent_from: tuple[int, int, int] = (0, 0, 0)
     shared_inputs: dict[int, SharedInput] = field(default_factory=dict)  # leaf -> its shared buffer's guard
     shared_grad_outputs: frozenset[int] = frozenset()  # outputs whose grad-output buffer other passes use too
+    sharers: Sharers | None = None  # the callables replaying these graphs too (share_microbatch_graphs)
+    pool: Hashable | None = None  # the pool its graphs were captured in (None: the build's)
 
 
 @dataclass(eq=False)
@@ -296,7 +299,8 @@ class GraphedCallable(GraphedMark):
 
     def __init__(self, spec: PassSpec, result: PassResult, pass_id: int, shared: Shared) -> None:
         self.index, self.label, self.pass_id = spec.index, spec.label, pass_id
-        self.engine, self.pool, self.shared = shared.engine, shared.pool, shared
+        self.engine, self.shared = shared.engine, shared
+        self.pool = result.pool if result.pool is not None else shared.pool
         self.build_stats, self.buffer_reuse = shared.build_stats, shared.buffer_reuse
         self._check_replay_order = shared.check_replay_order
         self._retain_graph_in_backward = shared.retain_graph_in_backward
@@ -333,9 +337,12 @@ class GraphedCallable(GraphedMark):
         self.original_forward = spec.forward_fn if spec.module is not None else None
         self.original_forward_is_method = spec.forward_is_method
         self._wgrad = result.wgrad
+        self._sharers = result.sharers
         self._released = False
         # The finalizer must not reference self: it gets the engine, the pass id, the pool.
-        self._finalizer = weakref.finalize(self, _finalize, shared.engine, pass_id, shared.pool, shared.lent)
+        self._finalizer = weakref.finalize(
+            self, _finalize, shared.engine, pass_id, self.pool, shared.lent, result.sharers, spec.index
+        )
         self._finalizer.atexit = False
 
     def _init_call(self, spec: PassSpec, result: PassResult) -> None:
@@ -589,7 +596,7 @@ class GraphedCallable(GraphedMark):
                     if guard is None:
                         static.copy_(new)
                     else:  # another pass reads this buffer too (_shared_inputs)
-                        guard.copy_in(self.pass_id, i, static, new)
+                        guard.copy_in(self.index, i, static, new)
                 elif chained and new.stride() != static.stride():
                     self._raise_unchained(i, new)
         if opts is None:
@@ -612,8 +619,7 @@ class GraphedCallable(GraphedMark):
             self.shared.lent,
         )
         if self._released:
-            self.engine.replay(self.pass_id, BACKWARD)  # raises: "... was reset ..."
-            raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
+            self._raise_reset(BACKWARD)
         if len(grads) != len(static_grad_outputs):
             raise AssertionError(f"len(grads)={len(grads)} != len(static_grad_outputs)={len(static_grad_outputs)}")
         if lent is not None and lent.entries:
@@ -633,6 +639,8 @@ class GraphedCallable(GraphedMark):
             WATCH.after_replay(self.pass_id, BACKWARD, out)  # debug: pool-planned hand-outs
         if self._param_grad_slots:
             self._own_param_grads(out, lend)
+        if self._sharers is not None:
+            self._sharers.backward_ran(self.index, self._wgrad is not None)
         return tuple(out)
 
     def _own_param_grads(self, out: list[Tensor | None], lend: bool) -> None:
@@ -681,11 +689,7 @@ class GraphedCallable(GraphedMark):
         one. After :meth:`reset` it raises RuntimeError; it never launches a destroyed graph."""
         wgrad = self._wgrad
         if self._released:
-            self.engine.replay(self.pass_id, WGRAD)  # the core raises: "... was reset ..."
-            raise RuntimeError(
-                f"gograph: graphed callable {self.index} ({self.label}) was reset; "
-                "backward_dw() has no weight-gradient graph to replay"
-            )
+            self._raise_reset(WGRAD, "; backward_dw() has no weight-gradient graph to replay")
         if wgrad is None:
             return
         if self._check_replay_order:  # debug guard: refuse before anything is launched
@@ -694,6 +698,8 @@ class GraphedCallable(GraphedMark):
         if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
             lent.sweep(self._wgrad_lent_from)
         self.engine.replay(self.pass_id, WGRAD)
+        if self._sharers is not None:
+            self._sharers.wgrad_ran(self.index)
         if self._check_replay_order and WATCH.watches(self.pass_id, WGRAD):
             WATCH.after_replay(self.pass_id, WGRAD, [])
         for m in wgrad.modules():
@@ -760,9 +766,10 @@ class GraphedCallable(GraphedMark):
             "records Megatron's capture state"
         )
 
-    def _raise_reset(self) -> None:
-        self.engine.replay(self.pass_id, FORWARD)  # the core's message: "... was reset ..."
-        raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset")
+    def _raise_reset(self, kind: int = FORWARD, more: str = "") -> None:
+        if self._sharers is None:  # (a shared pass's graphs may still serve its other callables)
+            self.engine.replay(self.pass_id, kind)  # the core's message: "... was reset ..."
+        raise RuntimeError(f"gograph: graphed callable {self.index} ({self.label}) was reset{more}")
 
     # -- lifecycle ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -770,23 +777,33 @@ class GraphedCallable(GraphedMark):
 
         Waits for the device first (a replay may still be running). Harmless when called again.
         Afterwards, calling the callable raises RuntimeError saying it was reset (a module whose
-        train/eval mode differs from the captured one still runs its original forward)."""
+        train/eval mode differs from the captured one still runs its original forward). With
+        ``share_microbatch_graphs``, callables that replay one set of graphs release it when the
+        last of them is reset (or collected); until then a reset only takes this one out."""
         if self._released:
+            return
+        if self._sharers is not None and not self._sharers.leave(self.index):
+            self._forget_buffers()  # other callables still replay these graphs: they stay
+            log.debug("reset graphed callable %d (%s); its graphs serve others", self.index, self.label)
             return
         try:
             if self.shared.lent is not None:
                 self.shared.lent.drop_pass(self.pass_id)
             WATCH.forget(self.pass_id)
-            for guard in self._shared_guards:  # its backward can no longer run: it waits for nothing
-                guard.waiting.pop(self.pass_id, None)
             self.engine.synchronize()
             self.engine.release(self.pass_id, self.pool)
         finally:
-            self._released = True
-            self.static_input_surface = self.static_outputs = self.module_params = ()
-            self.static_grad_outputs = self.static_grad_inputs = ()
-            self._param_grad_slots, self._input_sig, self._wgrad, self._shared_guards = (), (), None, ()
+            self._forget_buffers()
         log.debug("reset pass %d (%s)", self.pass_id, self.label)
+
+    def _forget_buffers(self) -> None:
+        """Marks this callable reset and drops its references to the static buffers."""
+        for guard in self._shared_guards:  # its backward can no longer run: it waits for nothing
+            guard.waiting.pop(self.index, None)
+        self._released = True
+        self.static_input_surface = self.static_outputs = self.module_params = ()
+        self.static_grad_outputs = self.static_grad_inputs = ()
+        self._param_grad_slots, self._input_sig, self._wgrad, self._shared_guards = (), (), None, ()
 
 
 def _no_backward_reason(spec: PassSpec) -> str:
@@ -809,7 +826,13 @@ def _no_backward_reason(spec: PassSpec) -> str:
     )
 
 
-def _finalize(engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | None) -> None:
+def _finalize(
+    engine: Engine, pass_id: int, pool: Hashable, lent: LentGrads | None, sharers: Sharers | None, member: int
+) -> None:
+    if sharers is not None:
+        sharers.leave(member)
+        if not sharers.collect(member):
+            return  # others still replay these graphs, or hold the record that says they were reset
     try:
         WATCH.forget(pass_id)
     except Exception as e:  # a finalizer must not raise
@@ -853,9 +876,13 @@ class _GraphedFunction(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         ctx.graphed = graphed
         ctx.opts = opts  # cuda_graph_stream / cuda_graph_event, also used by the backward
+        if graphed._sharers is not None:  # another member's backward may still read the buffers
+            graphed._sharers.before_forward(graphed.index)
         outputs = graphed._replay_forward(inputs, opts)
         for guard in graphed._shared_guards:  # its backward, until it runs, reads those buffers
-            guard.forward_ran(graphed.pass_id, ctx)
+            guard.forward_ran(graphed.index, ctx)
+        if graphed._sharers is not None and graphed.has_backward:  # another member must wait for its backward
+            graphed._sharers.forward_ran(graphed.index, ctx)
         # An argument that requires grad where its sample did not: its graph has no gradient for it,
         # but outputs require grad where eager's would; the backward raises if it is asked for one.
         ctx.ungraphed = tuple(i for i in graphed._nograd_args if inputs[i].requires_grad)

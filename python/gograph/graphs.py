@@ -172,6 +172,17 @@ def make_graphed_callables(
             whose lifetimes over the schedule do not overlap, and hand outputs, input grads and
             cloned parameter grads back to the pool once the schedule is past their last use; the
             plan is every callable's ``buffer_reuse``. Needs ``_order`` and training.
+        share_microbatch_graphs: with ``_order``, the passes of one layer that the schedule never
+            has in flight together (from a microbatch's forward to its backward, or its
+            weight-gradient entry) replay one set of graphs and static buffers: captures per layer
+            become its in-flight depth instead of its microbatch count. Each pass is still a
+            GraphedCallable of its own; a shared set of graphs is captured in a pool of its own and
+            released when the last callable replaying it is reset. Outputs and input grads alias
+            static buffers that the next forward (backward) of *any* callable sharing the graphs
+            overwrites, and calling one while another's backward (or ``backward_dw()``) is pending
+            raises RuntimeError. Not with ``_reuse_graph_input_output_buffers``, ``chain_buffers``
+            or ``clone_param_grads_on_return=False``; the eager engine only, for now (the CUDA
+            engine raises NotImplementedError).
         pre_warmup_hook, post_warmup_hook: called once before and after all warmup iterations
             (``post_warmup_hook`` also when warmup fails).
         capture_time_hooks: one dict (or None) per callable with any of ``forward_pre_hooks``,

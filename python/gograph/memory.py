@@ -366,7 +366,8 @@ class _Collector:
                 pool=pool_key, engine=eng.name, pass_ids=[], reserved_bytes=None, active_bytes=None, segments=None
             )
             self.pool_tokens[pk] = (eng, g.pool)
-        self.pools[pk].pass_ids.append(pid)
+        if pid not in self.pools[pk].pass_ids:  # callables sharing graphs share the pass
+            self.pools[pk].pass_ids.append(pid)
 
     def _storages(self, g: Any, pid: int) -> tuple[dict[str, int], int, int]:
         bytes_by = {c: 0 for c in CATEGORIES}
@@ -420,13 +421,16 @@ class _Collector:
         for cat in ("input", "output", "grad_output", "grad_input"):
             static_keys.update(self.per_category[cat])
         static_total = sum(k[2] for k in static_keys)
-        node_counts = [n for p in self.passes for n in p.graph_nodes.values() if n is not None]
+        node_counts = [
+            n for p in {p.pass_id: p for p in self.passes}.values() for n in p.graph_nodes.values() if n is not None
+        ]
         reserved = [p.reserved_bytes for p in pools if p.reserved_bytes is not None]
         active = [p.active_bytes for p in pools if p.active_bytes is not None]
         per = self.per_category
         return Totals(
             passes=len(self.passes),
-            graphs=sum(len(p.capture_seq) for p in self.passes),
+            # callables that replay one set of graphs (share_microbatch_graphs) count it once
+            graphs=sum(len(p.capture_seq) for p in {p.pass_id: p for p in self.passes}.values()),
             graph_nodes=sum(node_counts) if node_counts else None,
             static_input_bytes=sum(per["input"].values()),
             param_bytes=sum(per["param"].values()),

@@ -151,6 +151,11 @@ def plan_memory(
     _refuse_nested_build()
     with _te.graph_capturing():  # the warmup as the build runs it
         req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
+        if req.share:
+            raise ValueError(
+                "gograph.plan_memory: share_microbatch_graphs is not modelled (its shared graphs capture in pools "
+                "of their own); plan without it, or measure the build (gograph.memory_report)"
+            )
         allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
         req = dataclasses.replace(req, num_warmup_iters=1, progress=False)
         with prepared(req) as build:

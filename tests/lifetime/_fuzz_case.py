@@ -95,6 +95,7 @@ class _Run:
             "clone_param_grads_on_return": c.clone_param_grads,
             "debug_replay_order": c.debug_replay_order,
             "capture_time_hooks": hooks,
+            **({"share_microbatch_graphs": True} if c.share else {}),
         }
 
     def run(self) -> list[str]:
@@ -115,7 +116,7 @@ class _Run:
     def _build(self) -> tuple[Any, tuple[str, str, bool] | None]:
         """The graphed callables, or (what failed, the error's message, whether it is chained to
         the injected fault) for an injected fault or a documented refusal."""
-        must, may = expected_refusals(self.case)
+        must, may = expected_refusals(self.case, self.device.type)
         try:
             with torch.no_grad() if self.case.no_grad_build else torch.enable_grad():
                 callables, samples, options = self.build_args()

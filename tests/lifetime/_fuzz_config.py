@@ -68,6 +68,7 @@ class Case:
     feed_static: bool = False  # the first callable's data is written into its static input, passed itself
     fault: tuple[int, str, int] | None = None  # (callable, "forward" / "backward", n): raises in the build
     autograd_grad: bool = False  # torch.autograd.grad of inputs and parameters instead of loss.backward()
+    share: bool = False  # share_microbatch_graphs (pipeline cases)
     seed: int = 0
 
 
@@ -179,6 +180,7 @@ def _pipeline_case(draw: st.DrawFn) -> Case:
         set_to_none=draw(st.booleans()) or not clone,
         shared_samples=draw(st.booleans()),
         fault=draw(_fault(n)),
+        share=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -233,6 +235,7 @@ def _program_text(case: Case) -> list[str]:
             f"then reset passes {list(p.reset_after)} and run the others forward"
             + ("; one scale sample (kwargs) for every pass, one scale tensor per step" if case.shared_samples else "")
             + ("; inference: modules in eval(), forward entries only" if inference_build(case) else "")
+            + ("; share_microbatch_graphs" if case.share else "")
             + ("; one input sample for every pass" if inference_build(case) and case.shared_samples else "")
         ]
     grads = "torch.autograd.grad (results kept, summed into .grad)" if case.autograd_grad else "loss.backward()"

@@ -28,9 +28,9 @@ class Refusal:
         return self.label is None or re.search(rf"callable \d+ \({self.label}\) failed", str(e)) is not None
 
 
-def expected_refusals(case: Case) -> tuple[list[Refusal], list[Refusal]]:
-    """(refusals one of which must happen, refusals that may happen) for ``case``: the
-    configurations docs/API.md (and torch's or TransformerEngine's checks) refuse."""
+def expected_refusals(case: Case, device: str = "cpu") -> tuple[list[Refusal], list[Refusal]]:
+    """(refusals one of which must happen, refusals that may happen) for ``case`` on ``device``:
+    the configurations docs/API.md (and torch's or TransformerEngine's checks) refuse."""
     must, may = [], []
     if case.reuse and case.pipeline is None:
         must.append(Refusal(ValueError, r"`_order` must be provided when `_reuse_graph_input_output_buffers`"))
@@ -39,6 +39,14 @@ def expected_refusals(case: Case) -> tuple[list[Refusal], list[Refusal]]:
     if not case.allow_unused_input and any(layer.kind == "unused" for layer in case.layers):
         may.append(Refusal(RuntimeError, r"appears to not have been used in the graph", "Unused"))
     p = case.pipeline
+    if case.share and p is None:
+        must.append(Refusal(ValueError, r"share_microbatch_graphs needs _order"))
+    if case.share and p is not None and (case.reuse or case.chain_buffers):
+        must.append(Refusal(ValueError, r"share_microbatch_graphs cannot be combined with"))
+    elif case.share and p is not None and not case.clone_param_grads:
+        must.append(Refusal(ValueError, r"share_microbatch_graphs needs clone_param_grads_on_return=True"))
+    elif case.share and p is not None and device == "cuda":
+        must.append(Refusal(NotImplementedError, r"share_microbatch_graphs is not available on the CUDA engine yet"))
     if p is None:
         return must, may
     if inference_build(case):  # forward entries only: no weight-gradient entry, nothing delayed to find

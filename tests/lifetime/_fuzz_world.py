@@ -38,14 +38,20 @@ class World:
     statics: StaticRefs = field(default_factory=StaticRefs)
 
     def __post_init__(self) -> None:
-        self.forwards = [0] * len(self.calls)
+        # Forwards are counted per set of graphs: with share_microbatch_graphs the callables of one
+        # colour (one pass id) replay one set, and any member's forward overwrites its outputs.
+        self.colour = [g.pass_id for g in self.graphed] if self.graphed is not None else list(range(len(self.calls)))
+        self.forwards = dict.fromkeys(self.colour, 0)
         self.params = [
             (f"m{k}.{name}", p) for k, m in enumerate(self.modules) if m is not None for name, p in m.named_parameters()
         ]
         self.opt = torch.optim.SGD([p for _, p in self.params], lr=LR) if self.params else None
         self.grads = GradCanaries(self.params, self.violations)
         self.outputs = OutputCanaries(
-            lambda i: self.forwards[i], self._pool_planned, self.debug and self.graphed is not None, self.violations
+            lambda i: self.forwards[self.colour[i]],
+            self._pool_planned,
+            self.debug and self.graphed is not None,
+            self.violations,
         )
         self.kept = OutputCanaries(lambda i: 0, lambda i, k: False, False, self.violations)  # for all of training
         if self.graphed is not None:
@@ -59,7 +65,7 @@ class World:
         return self.graphed is not None and leaf in self.graphed[i].released_outputs
 
     def call(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.forwards[i] += 1
+        self.forwards[self.colour[i]] += 1
         return self.calls[i](*args, **kwargs)
 
     def backward_dw(self, i: int) -> None:
