@@ -18,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -312,7 +312,36 @@ def sizes_recorder(engine: Engine) -> WarmupSizes:
     return AllocationTrace(engine.device)
 
 
-class SeedTrace(Hooks):
+_R = TypeVar("_R", bound=AllocationTrace)
+
+
+class RecordingHooks(Hooks, Generic[_R]):
+    """Build hooks that watch a program through a recorder, set while the program they record
+    runs (:meth:`_recording`): per-op events go to it, and to nothing otherwise."""
+
+    def __init__(self) -> None:
+        self.recorder: _R | None = None
+
+    @contextlib.contextmanager
+    def _recording(self, rec: _R) -> Iterator[_R]:
+        with rec:
+            self.recorder = rec
+            try:
+                yield rec
+            finally:
+                self.recorder = None
+
+    @property
+    def watching(self) -> bool:
+        """Whether it records the program underway."""
+        return self.recorder is not None
+
+    def op(self, i: int) -> None:
+        if self.recorder is not None:
+            self.recorder.op(i)
+
+
+class SeedTrace(RecordingHooks["CountedTrace"]):
     """The pool seed of a build (CUDA, its own pool): records its warmup outside the pool as the
     core's trace (:class:`CountedTrace`: the ops up to the last first one, which the captures
     replay), and once the captures are planned asks the core for the seed, which the build carves
@@ -321,7 +350,7 @@ class SeedTrace(Hooks):
     sample and parameter is a small-pool request (:func:`seed_may_matter`)."""
 
     def __init__(self) -> None:
-        self.recorder: CountedTrace | None = None
+        super().__init__()
         self.trace: Trace | None = None
 
     @contextlib.contextmanager
@@ -337,25 +366,12 @@ class SeedTrace(Hooks):
         ):
             yield
             return
-        with CountedTrace(device, ops) as rec:
-            self.recorder = rec
-            try:
-                yield
-            finally:
-                self.recorder = None
+        with self._recording(CountedTrace(device, ops)) as rec:
+            yield
         if rec.complete:
             self.trace = rec.text(ops[: rec.until])
         else:
             log.debug("a free deferred past a warmup op; planning without the pool seed")
-
-    @property
-    def watching(self) -> bool:
-        """Whether it records the program underway."""
-        return self.recorder is not None
-
-    def op(self, i: int) -> None:
-        if self.recorder is not None:
-            self.recorder.op(i)
 
     def forward(self, i: int, st: PassState) -> None:
         if self.recorder is not None:

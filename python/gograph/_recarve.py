@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from . import _core, _torch
-from ._exec import Executor, Hooks, ProgramKind
+from ._exec import Executor, ProgramKind
 from ._handouts import WATCH
-from ._probe import AllocationTrace, op_spans
+from ._probe import AllocationTrace, RecordingHooks, op_spans
 from ._state import PassState
 from ._wire import Op
 from .engines import CudaEngine
@@ -64,14 +64,14 @@ class CaptureRecorder(AllocationTrace):
             yield
 
 
-class DebugRecorder(Hooks):
+class DebugRecorder(RecordingHooks[CaptureRecorder]):
     """The build hook of debug mode on CUDA: records the captures (:class:`CaptureRecorder`) and,
     once the passes are sealed and guarded, hands the core every graph's spec. Records nothing
     without debug mode, on the eager engine, or when the process records allocator history
     already (then the capture-order guard checks the replays)."""
 
     def __init__(self) -> None:
-        self.recorder: CaptureRecorder | None = None
+        super().__init__()
         self.recorded: CaptureRecorder | None = None
 
     @contextlib.contextmanager
@@ -84,23 +84,9 @@ class DebugRecorder(Hooks):
             log.info("allocator history is already recorded; debug replays are checked in capture order")
             yield
             return
-        rec = CaptureRecorder(engine.device)
-        with rec:
-            self.recorder = rec
-            try:
-                yield
-            finally:
-                self.recorder = None
+        with self._recording(CaptureRecorder(engine.device)) as rec:
+            yield
         self.recorded = rec
-
-    @property
-    def watching(self) -> bool:
-        """Whether it records the program underway."""
-        return self.recorder is not None
-
-    def op(self, i: int) -> None:
-        if self.recorder is not None:
-            self.recorder.op(i)
 
     def capturing_forward(self, st: PassState) -> contextlib.AbstractContextManager[Any]:
         return self.recorder.saving(st) if self.recorder is not None else contextlib.nullcontext()

@@ -885,7 +885,8 @@ class _GraphedFunction(torch.autograd.Function):
             graphed._sharers.forward_ran(graphed.index, ctx)
         # An argument that requires grad where its sample did not: its graph has no gradient for it,
         # but outputs require grad where eager's would; the backward raises if it is asked for one.
-        ctx.ungraphed = tuple(i for i in graphed._nograd_args if inputs[i].requires_grad)
+        nograd = graphed._nograd_args
+        ctx.ungraphed = tuple(i for i in nograd if inputs[i].requires_grad) if nograd else ()
         if graphed._nondiff_outputs and not ctx.ungraphed:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
         return outputs
