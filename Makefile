@@ -41,7 +41,7 @@ endif
 # What the tests and the build need in every venv (the CUDA runtime package for cuda.h).
 TEST_DEPS := "pytest>=7" numpy "pybindgen>=0.22" "setuptools>=68" wheel "nvidia-cuda-runtime-cu12>=12.4,<13" \
 	"transformers==5.24.0; python_version >= '3.11'" \
-	"hypothesis==6.170.27; python_version >= '3.11'" "hypothesis==6.168.5; python_version < '3.11'"
+	"hypothesis==6.170.27; python_version >= '3.11'" "hypothesis==6.168.5; python_version < '3.11'" "expecttest==0.3.0"
 # Only in the full venv: the suites marked one_python need them (Megatron-Core depends on torch,
 # which a lean venv links instead of installing).
 FULL_DEPS := "megatron-core==0.19.2; python_version >= '3.12'"

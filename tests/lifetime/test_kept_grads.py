@@ -133,10 +133,18 @@ def test_cached_grad_references_train_like_eager(micro: int) -> None:
 
 
 def _captured_step_training(model: torch.nn.Module, micro: int, steps: int, set_to_none: bool) -> list[torch.Tensor]:
-    """The pattern of PyTorch's CUDA-graphs docs: warm the optimizer up on a side stream, capture
-    ``optimizer.step()`` in a ``torch.cuda.graph``, replay it every step (grads kept in place)."""
+    """The pattern of PyTorch's CUDA-graphs docs: two eager optimizer steps first (their
+    ``zero_grad`` in the mode given: with ``set_to_none=True`` the grads the capture reads are the
+    ones a backward made after ``None``), the optimizer warmed up on a side stream, then
+    ``optimizer.step()`` captured in a ``torch.cuda.graph`` and replayed every step (grads kept in
+    place from then on)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
-    xs = iter(_batches((steps + 1) * micro, "cuda"))
+    xs = iter(_batches((steps + 3) * micro, "cuda"))
+    for _ in range(2):
+        for _ in range(micro):
+            _step([model], next(xs))
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
     for _ in range(micro):
         _step([model], next(xs))
     s = torch.cuda.Stream()
@@ -159,12 +167,15 @@ def _captured_step_training(model: torch.nn.Module, micro: int, steps: int, set_
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("micro", [1, 3])
-def test_captured_optimizer_step_trains_like_eager(cuda_device: torch.device, micro: int, no_tf32: Any) -> None:
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["kept", "set_to_none_before_capture"])
+def test_captured_optimizer_step_trains_like_eager(
+    cuda_device: torch.device, micro: int, set_to_none: bool, no_tf32: Any
+) -> None:
     model = _model("cuda")
     ref = copy.deepcopy(model)
     gograph.make_graphed_callables(model, (torch.randn(4, 8, device=cuda_device, requires_grad=True),))
-    got = _captured_step_training(model, micro, 4, set_to_none=False)
-    want = _captured_step_training(ref, micro, 4, set_to_none=False)
+    got = _captured_step_training(model, micro, 4, set_to_none)
+    want = _captured_step_training(ref, micro, 4, set_to_none)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     model.reset()
 
