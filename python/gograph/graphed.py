@@ -692,6 +692,7 @@ class GraphedCallable(GraphedMark):
             self._raise_reset(WGRAD, "; backward_dw() has no weight-gradient graph to replay")
         if wgrad is None:
             return
+        wgrad.check_targets()  # the graph adds into the .grad / .main_grad it captured: still those?
         if self._check_replay_order:  # debug guard: refuse before anything is launched
             _core.check_replay_order(self.pass_id, WGRAD)
         lent = self.shared.lent

@@ -135,3 +135,26 @@ def test_backward_dw_replays_never_overwrite_a_held_grad(device: str, no_tf32: A
         del got, want  # no reference to a lent .grad outlives the step
     for m in mods:
         m.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_dw_refuses_a_grad_replaced_after_graphing(device: str) -> None:
+    """The weight-gradient graph adds into the ``.grad`` it captured: after that tensor was
+    replaced, a replay would add into memory nobody reads and the new ``.grad`` would get nothing
+    (the CUDA engine's graph writes the old address; the eager engine refuses alike)."""
+    mod = DelayedLinear(F, seed=3).to(device)
+    init_grads(mod)
+    graphed = gograph.make_graphed_callables(mod, (torch.randn(4, F, device=device, requires_grad=True),))
+    x = torch.randn(4, F, device=device, requires_grad=True)
+    mod.weight.grad.zero_()  # type: ignore[union-attr]  # in place: fine
+    graphed(x).square().sum().backward()
+    graphed.backward_dw()
+    assert torch.count_nonzero(mod.weight.grad) > 0
+    init_grads(mod)  # replaced: refused, never silently dropped
+    graphed(x).square().sum().backward()
+    with pytest.raises(RuntimeError, match=r"weight\.grad is not the tensor its weight-gradient graph accumulates"):
+        graphed.backward_dw()
+    mod.weight.grad = None  # dropped: refused alike
+    with pytest.raises(RuntimeError, match=r"it is None now"):
+        graphed.backward_dw()
+    graphed.reset()
