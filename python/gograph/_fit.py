@@ -23,11 +23,6 @@ def check_for_engine(req: Request, specs: Sequence[PassSpec], engine: Engine) ->
     chosen."""
     if isinstance(engine, CudaEngine):
         _check_devices(specs, engine.device)
-        if req.share:
-            raise NotImplementedError(
-                "gograph: share_microbatch_graphs is not available on the CUDA engine yet (graphs shared by "
-                "microbatches are verified on the eager engine only); graph without it"
-            )
     _pool.check(req.pool, engine.name)
     cache = torch.is_autocast_enabled() and torch.is_autocast_cache_enabled()
     if isinstance(engine, EagerEngine):

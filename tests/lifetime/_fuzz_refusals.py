@@ -45,8 +45,6 @@ def expected_refusals(case: Case, device: str = "cpu") -> tuple[list[Refusal], l
         must.append(Refusal(ValueError, r"share_microbatch_graphs cannot be combined with"))
     elif case.share and p is not None and not case.clone_param_grads:
         must.append(Refusal(ValueError, r"share_microbatch_graphs needs clone_param_grads_on_return=True"))
-    elif case.share and p is not None and device == "cuda":
-        must.append(Refusal(NotImplementedError, r"share_microbatch_graphs is not available on the CUDA engine yet"))
     if p is None:
         return must, may
     if inference_build(case):  # forward entries only: no weight-gradient entry, nothing delayed to find
