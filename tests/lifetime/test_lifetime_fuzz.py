@@ -150,14 +150,37 @@ KNOWN: dict[str, Case] = {
 }
 
 
-@pytest.mark.parametrize("case", list(KNOWN.values()), ids=list(KNOWN))
+#: Found by the fuzzer on CUDA and still open there (a strict xfail on the CUDA engine, so that its
+#: fix shows); the eager engine runs them green: it has no pool whose blocks two graphs share.
+CUDA_OPEN: dict[str, Case] = {
+    # without warmup nothing planned the pool: callable 1's static output, captured after callable
+    # 0's forward, reuses a block that forward's graph writes (a temporary freed inside its
+    # capture), so the next training forward of callable 0 changes the output an evaluation
+    # forward of callable 1 handed out
+    "an evaluation output of a build without warmup outlives another callable's forward": Case(
+        layers=(Layer("fn", input_grad=False), Layer("linear", input_grad=False)),
+        num_warmup_iters=0,
+        evaluate=True,
+        set_to_none=False,
+    ),
+}
+_OPEN_ON_CUDA = pytest.mark.xfail(
+    strict=True, reason="open on the CUDA engine: a graph without warmup writes a block another's output holds"
+)
+
+
+@pytest.mark.parametrize("case", [*KNOWN.values(), *CUDA_OPEN.values()], ids=[*KNOWN, *CUDA_OPEN])
 def test_known_lifetime_cases_eager_engine(case: Case, frozen_heap: None) -> None:
     violations = run_case(case, torch.device("cpu"))
     assert not violations, describe(case) + "\n" + "\n".join(violations)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", list(KNOWN.values()), ids=list(KNOWN))
+@pytest.mark.parametrize(
+    "case",
+    [*KNOWN.values(), *(pytest.param(c, marks=_OPEN_ON_CUDA) for c in CUDA_OPEN.values())],
+    ids=[*KNOWN, *CUDA_OPEN],
+)
 def test_known_lifetime_cases_cuda_engine(
     case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
 ) -> None:
