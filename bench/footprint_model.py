@@ -121,6 +121,11 @@ class PoolMarkingEngine(EagerEngine):
         with record_function(_WINDOW + "empty"):
             pass
 
+    def buffer_released(self, tensor: torch.Tensor) -> None:
+        # the eager engine keeps the buffer (host memory); on CUDA its block is free from here
+        with record_function(f"{_WINDOW}free:{tensor.untyped_storage().data_ptr()}"):
+            pass
+
 
 def pools_trace(prof: Any) -> str:
     """The profiled allocations and frees as the core's pools trace, in time order."""
@@ -139,13 +144,23 @@ def pools_trace(prof: Any) -> str:
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
     windows.sort()
+    markers = [w for w in windows if w[2] == "empty" or w[2].startswith("free:")]
+    windows = [w for w in windows if w not in markers]  # the pools allocations go to
     starts = [w[0] for w in windows]
-    events = [(t, 0, ptr, size) for t, ptr, size in allocations] + [(w[0], 1, 0, 0) for w in windows if w[2] == "empty"]
-    lines, live, next_id = ["pools v1"], {}, 0
+    events = [(t, 0, ptr, size) for t, ptr, size in allocations]
+    events += [(w[0], 1, 0, 0) if w[2] == "empty" else (w[0], 2, int(w[2][5:]), 0) for w in markers]
+    lines: list[str] = ["pools v1"]
+    live: dict[int, int | None] = {}
+    next_id = 0
     events.sort(key=lambda e: e[0])  # stable: events of one instant keep the tree's order
-    for t, is_empty, ptr, size in events:
-        if is_empty:
+    for t, marker, ptr, size in events:
+        if marker == 1:
             lines.append("e")
+        elif marker == 2:  # a buffer the core released: free in the pool, kept on the host
+            block = live.get(ptr)
+            if block is not None:
+                lines.append(f"f {block}")
+                live[ptr] = None
         elif size > 0:
             i = bisect.bisect_right(starts, t) - 1
             pool = windows[i][2] if i >= 0 and t <= windows[i][1] else "d"

@@ -66,6 +66,10 @@ func TestLentOverwrites(t *testing.T) {
 }
 
 // TestZeroGrads names where each pass's warmup zero grads die.
+func wgradPlan(t *testing.T) *schedule.Plan {
+	return plan(t, []float64{1, 2, -2, -2.5, -1, -1.5}, "1,1", 2, 2)
+}
+
 func TestZeroGrads(t *testing.T) {
 	two := defaultPlan(t, 2, true)
 	tests := []struct {
@@ -84,6 +88,10 @@ func TestZeroGrads(t *testing.T) {
 			"f 0 | y 0 | f 1 | b 1 | x 1 | g 1 | b 0 | x 0 | g 0"},
 		{"inference: no backward, no zero grads", defaultPlan(t, 2, false), 1, true, true,
 			"f 0 | x 0 | f 1 | x 1"},
+		{"per pass with weight gradients: they serve the next iteration, and die with the last (its weight gradient holds what it stashed)", wgradPlan(t), 2, true, true,
+			"f 0 | b 0 | x 0 | w 0 | f 0 | b 0 | x 0 | g 0 | w 0 | f 1 | b 1 | x 1 | w 1 | f 1 | b 1 | x 1 | g 1 | w 1"},
+		{"schedule order with weight gradients: they die before the weight gradient's next pass", wgradPlan(t), 1, false, true,
+			"f 0 | y 0 | f 1 | b 1 | x 1 | g 1 | w 1 | b 0 | x 0 | g 0 | w 0"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

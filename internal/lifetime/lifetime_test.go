@@ -107,6 +107,8 @@ func TestWarmupReleasePoints(t *testing.T) {
 			"f 0 | x 0 | f 1 | x 1 | f 0 | x 0 | f 1 | x 1"},
 		{"_order with weight-gradient entries: each pass's outputs die at its backward", plan(t, []float64{1, 2, -2, -2.5, -1, -1.5}, "1,1", 2, 2), 1, false,
 			"f 0 | y 0 | f 1 | b 1 | x 1 | w 1 | b 0 | x 0 | w 0"},
+		{"_order per pass: each weight gradient right after its pass's backward", plan(t, []float64{1, 2, -2, -2.5, -1, -1.5}, "1,1", 2, 2), 2, true,
+			"f 0 | b 0 | x 0 | w 0 | f 0 | b 0 | x 0 | w 0 | f 1 | b 1 | x 1 | w 1 | f 1 | b 1 | x 1 | w 1"},
 		{"no iterations", defaultPlan(t, 3, true), 0, true, ""},
 	}
 	for _, tc := range tests {
@@ -875,7 +877,8 @@ func TestChooseWarmup(t *testing.T) {
 		{"the whole step, own pool: the step's order in the pool", def, false, true, true, WarmupMode{InPool: true}},
 		{"the whole step, a pool passed in: its blocks may be other graphs' memory", def, false, true, false, WarmupMode{PerCallable: true}},
 		{"capture-time hooks: the schedule's order on the side stream", def, true, true, true, WarmupMode{}},
-		{"an _order: the schedule's order on the side stream", pipe, false, true, true, WarmupMode{}},
+		{"an _order: per pass on the side stream", pipe, false, true, true, WarmupMode{PerCallable: true}},
+		{"an _order with capture-time hooks: the schedule's order", pipe, true, false, true, WarmupMode{}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -16,6 +16,15 @@ type WarmupMode struct {
 // the backward themselves) and whether the build's pool is its own (no
 // graph has used it; a pool passed in may hold blocks earlier graphs write).
 //
+// Capture-time hooks need the schedule's order (TransformerEngine's warmup:
+// a hook may stage per-layer state, such as offloaded weights, in that
+// order), on the side stream. So does nothing else: an _order without hooks
+// warms up per pass, each pass's forward, backward and weight gradient
+// before the next pass (TransformerEngine's warmup before it followed the
+// order), so that warmup holds one pass's activations where the schedule's
+// order would hold every pass in flight: a pipeline rank's warmup then
+// peaks far below its captures, which keep the in-flight passes in the pool.
+//
 // A whole step with a pool of its own warms up as eager training runs the
 // step, in the schedule's order, inside the graph pool: the pool is then
 // laid out as eager's step lays out its one pool (the backward's cuBLAS
@@ -25,13 +34,11 @@ type WarmupMode struct {
 // side stream: graphs that leave the loss to the caller hold buffers an
 // eager step does not, and a pool laid out by a step measured up to 8 %
 // larger there (docs/BENCHMARKS.md, "Warmup inside the graph pool").
-// An _order or capture-time hooks need the schedule's order
-// (TransformerEngine's warmup), on the side stream.
 func ChooseWarmup(p *schedule.Plan, hooks, wholeStep, ownPool bool) WarmupMode {
-	if p.Ordered || hooks {
+	if hooks {
 		return WarmupMode{}
 	}
-	if wholeStep && ownPool {
+	if wholeStep && ownPool && !p.Ordered {
 		return WarmupMode{InPool: true}
 	}
 	return WarmupMode{PerCallable: true}
@@ -39,9 +46,11 @@ func ChooseWarmup(p *schedule.Plan, hooks, wholeStep, ownPool bool) WarmupMode {
 
 // Warmup plans iters warmup iterations over p.
 //
-// perCallable is torch's warmup (the default schedule without capture-time
+// perCallable is torch's warmup (every schedule without capture-time
 // hooks): each pass, in forward order, runs all its iterations before the
-// next pass starts, so only one callable's activations are ever alive.
+// next pass starts, so only one callable's activations are ever alive; a
+// pass with a weight-gradient step in the schedule runs it right after its
+// backward, as the schedule pairs them.
 // Otherwise every iteration runs the schedule's steps in order
 // (TransformerEngine's warmup, which _order and capture-time hooks need: a
 // pipeline's forwards and backwards interleave as they will at replay).
@@ -57,9 +66,13 @@ func ChooseWarmup(p *schedule.Plan, hooks, wholeStep, ownPool bool) WarmupMode {
 // (whether a pass has any is only learnt while warming up).
 func Warmup(p *schedule.Plan, iters int, perCallable bool) []Op {
 	hasBackward := make([]bool, p.Passes)
+	hasWGrad := make([]bool, p.Passes)
 	for _, s := range p.Steps {
-		if s.Kind == schedule.Backward {
+		switch s.Kind {
+		case schedule.Backward:
 			hasBackward[s.Pass] = true
+		case schedule.WGrad:
+			hasWGrad[s.Pass] = true
 		}
 	}
 	var ops []Op
@@ -74,6 +87,9 @@ func Warmup(p *schedule.Plan, iters int, perCallable bool) []Op {
 					ops = append(ops, Op{Kind: WarmBackward, Pass: s.Pass})
 				}
 				ops = append(ops, Op{Kind: DropWarm, Pass: s.Pass})
+				if hasWGrad[s.Pass] {
+					ops = append(ops, Op{Kind: WarmWGrad, Pass: s.Pass})
+				}
 			}
 		}
 		return ops
@@ -123,7 +139,11 @@ func ZeroGrads(ops []Op, reuse bool) []Op {
 		if o.Kind != DropWarm || !backward[o.Pass] {
 			continue
 		}
-		if reuse && i+1 < len(ops) && ops[i+1].Pass == o.Pass {
+		next := i + 1
+		for next < len(ops) && ops[next].Kind == WarmWGrad && ops[next].Pass == o.Pass {
+			next++ // its weight gradient reads no incoming grad
+		}
+		if reuse && next < len(ops) && ops[next].Pass == o.Pass && ops[next].Kind == WarmForward {
 			continue // its next iteration follows: the same zeros serve it
 		}
 		out = append(out, Op{Kind: DropZeroGrads, Pass: o.Pass})

@@ -235,13 +235,12 @@ class Build:
         with the schedule, for the seed's prediction); the hooks see it."""
         self._enter("buffer planning")
         req, sigs = self.req, _reuse.Signatures()
-        release = isinstance(self.engine, CudaEngine)
         facts = _reuse.facts(self.states, sigs, req.clone_param_grads)
-        self.program = program = _plan.capture_program(self.schedule, facts, req.reuse, req.chain, release, req.share)
+        # every engine gets the same program: the eager engine keeps what is released (host
+        # memory), and records it where it models the pool
+        self.program = program = _plan.capture_program(self.schedule, facts, req.reuse, req.chain, True, req.share)
         if req.reuse or req.chain:
             self.reuse = _reuse.BufferReuse.of(program, sigs)
-            if not release:
-                self.reuse.released = 0
         self.hooks.planned(self, program)
         return program
 

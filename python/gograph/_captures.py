@@ -97,7 +97,9 @@ def _drop(x: Executor, i: int, op: Op) -> None:
 
 
 def _release(x: Executor, i: int, op: Op) -> None:
-    _reuse.release(op, x.states)
+    engine = x.engine
+    for t in _reuse.release(op, x.states, keep_owners=not engine.pool_keeps_released_memory):
+        engine.buffer_released(t)
 
 
 def _return_warm_pool(x: Executor, i: int, op: Op) -> None:

@@ -155,30 +155,35 @@ def _weak(t: Tensor) -> Tensor:
     return _torch.nonowning_view(t).requires_grad_(t.requires_grad)
 
 
-def release(op: Op, states: Sequence[PassState]) -> None:
+def release(op: Op, states: Sequence[PassState], keep_owners: bool) -> list[Tensor]:
     """Drops gograph's owning references to a pool buffer the core proved dead, keeping
-    non-owning views for the graphs' static tensors (later captures may reuse its memory). A
-    chained buffer has two holders -- an output and the next layer's static input, or a user
-    input's grad and the previous layer's grad output: both let go."""
+    non-owning views for the graphs' static tensors (later captures may reuse its memory), and
+    returns the buffer (none when the role has no tensor). A chained buffer has two holders -- an
+    output and the next layer's static input, or a user input's grad and the previous layer's
+    grad output: both let go. ``keep_owners`` (host memory, which goes with its last owner):
+    the references stay, only the release is recorded."""
     st = states[op.pass_index]
     assert op.role is not None  # a release op names its buffer's role
     st.released.add((op.role, op.buffer))
     if op.role is ReleaseRole.OUTPUT:
         old = st.static_outputs[op.buffer]
+        if keep_owners:
+            return [old]
         st.static_outputs = _replaced(st.static_outputs, op.buffer, _weak(old))
         for other in states:  # chained consumers read it as their static input
             repl = {j: _weak(other.flat_args[j]) for j in other.chained_inputs
                     if other.flat_args[j].data_ptr() == old.data_ptr()}  # fmt: skip
             other.replace_args(repl)
-        return
+        return [old]
     grad = st.static_grad_inputs[op.buffer] if op.buffer < len(st.static_grad_inputs) else None
-    if grad is None:
-        return
+    if grad is None or keep_owners:
+        return [] if grad is None else [grad]
     st.static_grad_inputs = _replaced(st.static_grad_inputs, op.buffer, _weak(grad))
     for other in states:  # a chained producer reads it as its grad output
         for k, g in enumerate(other.static_grad_outputs):
             if g is grad:
                 other.static_grad_outputs = _replaced(other.static_grad_outputs, k, _weak(g))
+    return [grad]
 
 
 def _replaced(items: tuple[Any, ...], i: int, value: Any) -> tuple[Any, ...]:

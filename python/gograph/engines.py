@@ -173,6 +173,16 @@ class Engine(abc.ABC):
         if failure:
             raise RuntimeError(failure)
 
+    #: Whether a pool buffer's memory outlives its owning tensor while the pool lives (a graph
+    #: pool keeps its blocks mapped): then a buffer the core hands back keeps only non-owning
+    #: views. Host memory goes with its last owner, so the eager engine keeps the owners.
+    pool_keeps_released_memory = False
+
+    def buffer_released(self, tensor: torch.Tensor) -> None:  # noqa: B027 (optional: engines modelling a pool)
+        """The core proved ``tensor``'s pool buffer dead: later captures may carve its memory
+        (the build has let go of it, or, without :attr:`pool_keeps_released_memory`, keeps it
+        only so that a view a caller still holds stays readable)."""
+
     def drop(self, pass_id: int, pool: Hashable) -> None:
         """:meth:`release` and forget the core's record (finalizers, failed builds)."""
         try:
@@ -292,6 +302,7 @@ class CudaEngine(Engine):
     """
 
     name = "cuda"
+    pool_keeps_released_memory = True
 
     def __init__(
         self,
