@@ -9,6 +9,8 @@ package gograph
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
 
 	"github.com/gograph/gograph/internal/lifetime"
 	"github.com/gograph/gograph/internal/memplan"
@@ -66,6 +68,28 @@ func PlanSteps(plan int64) (steps string, err error) {
 		return "", fmt.Errorf("plan_steps: %w", err)
 	}
 	return p.Encode(), nil
+}
+
+// PlanSampleEntries is TransformerEngine's reorganisation of an _order's
+// sample entries for _reuse_graph_input_output_buffers
+// (lifetime.ReuseSampleEntries): keys gives each pass's sample key as an
+// integer ("0,1,0,..."), and the result gives, per pass, the pass whose
+// entry it takes (its own when none), comma-separated.
+func PlanSampleEntries(plan int64, keys string) (entries string, err error) {
+	defer recoverPanic("plan_sample_entries", &err)
+	p, err := store.Get(plan)
+	if err != nil {
+		return "", fmt.Errorf("plan_sample_entries: %w", err)
+	}
+	k, err := parseInts(keys)
+	if err != nil {
+		return "", fmt.Errorf("plan_sample_entries: keys: %w", err)
+	}
+	e, err := lifetime.ReuseSampleEntries(p, k)
+	if err != nil {
+		return "", fmt.Errorf("plan_sample_entries: %w", err)
+	}
+	return joinInts(e), nil
 }
 
 // PlanWarmup returns plan's warmup program for iters iterations: a header
@@ -191,4 +215,29 @@ func SimulatePools(trace string) (footprint string, err error) {
 		return "", fmt.Errorf("simulate_pools: %w", err)
 	}
 	return wire.Footprint.Header() + res.Encode(), nil
+}
+
+// parseInts parses comma-separated integers ("" is none).
+func parseInts(s string) ([]int, error) {
+	if s == "" {
+		return nil, nil
+	}
+	fields := strings.Split(s, ",")
+	out := make([]int, len(fields))
+	for i, f := range fields {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			return nil, fmt.Errorf("item %d (%q) is not an integer", i, f)
+		}
+		out[i] = n
+	}
+	return out, nil
+}
+
+func joinInts(xs []int) string {
+	parts := make([]string, len(xs))
+	for i, x := range xs {
+		parts[i] = strconv.Itoa(x)
+	}
+	return strings.Join(parts, ",")
 }

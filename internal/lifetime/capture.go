@@ -51,7 +51,9 @@ func Capture(p *schedule.Plan, facts []Facts, opt Options) (*Program, error) {
 		}
 	}
 	if opt.Reuse {
-		compareTE(p, bufs, facts, prog.Sigs)
+		shared, n := sharedSamples(facts, prog)
+		prog.Slots += n
+		compareTE(p, bufs, shared, facts, prog.Sigs)
 	}
 	gradPolicies(p, facts, prog, at, opt)
 	for pass, r := range prog.Share { // a sharing pass has nothing of its own

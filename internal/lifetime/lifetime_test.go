@@ -581,7 +581,7 @@ func programInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Optio
 			return fmt.Errorf("op %d (%s) before its pass's backward", i, o)
 		}
 	}
-	return slotInvariants(p, facts, prog)
+	return slotInvariants(p, facts, prog, opt)
 }
 
 // shareInvariants: sharing only where the options allow it; a sharing pass
@@ -661,7 +661,7 @@ func regionInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
 	return nil
 }
 
-func slotInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
+func slotInvariants(p *schedule.Plan, facts []Facts, prog *Program, opt Options) error {
 	at := stepsOf(p)
 	type live struct{ first, last, sig int }
 	slots := map[int][]live{}
@@ -698,6 +698,19 @@ func slotInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
 			}
 		}
 	}
+	shared := map[int]map[int]bool{} // sig -> regions of samples passes share (counted as slots with Reuse)
+	if opt.Reuse {
+		for pass, f := range facts {
+			for j, in := range f.Inputs {
+				if in.Region > 0 && !in.Param && prog.Share[pass] == pass && prog.Inputs[pass][j].Kind == Own {
+					if shared[in.Sig] == nil {
+						shared[in.Sig] = map[int]bool{}
+					}
+					shared[in.Sig][in.Region] = true
+				}
+			}
+		}
+	}
 	for sig, st := range prog.Sigs {
 		peak := 0
 		for step := range p.Steps {
@@ -711,8 +724,8 @@ func slotInvariants(p *schedule.Plan, facts []Facts, prog *Program) error {
 			}
 			peak = max(peak, n)
 		}
-		if st.Slots != peak {
-			return fmt.Errorf("signature %d: %d slots, but at most %d buffers are live at once", sig, st.Slots, peak)
+		if st.Slots != peak+len(shared[sig]) {
+			return fmt.Errorf("signature %d: %d slots, but at most %d buffers are live at once and %d samples are shared", sig, st.Slots, peak, len(shared[sig]))
 		}
 	}
 	return nil

@@ -202,13 +202,47 @@ func insertSorted(xs []int, x int) []int {
 	return xs
 }
 
+// sharedSamples counts, with Reuse, the input leaves that read a sample
+// passes share by the schedule (their lifetimes do not overlap:
+// TransformerEngine's reorganised entries, Megatron-LM's shared samples):
+// each is a buffer without reuse, and each shared sample (a region) one
+// buffer the plan keeps, so Buffers and Slots count them as slot buffers.
+// It returns each pass's signatures of such leaves, and the number of
+// shared samples.
+func sharedSamples(facts []Facts, prog *Program) ([][]int, int) {
+	out := make([][]int, len(facts))
+	regions := map[[2]int]bool{} // (signature, region): a sample read through views of two signatures is two buffers
+
+	for pass, f := range facts {
+		if prog.Share[pass] != pass {
+			continue
+		}
+		for j, in := range f.Inputs {
+			if in.Region == 0 || in.Param || prog.Inputs[pass][j].Kind != Own {
+				continue
+			}
+			out[pass] = append(out[pass], in.Sig)
+			st := sigOf(prog.Sigs, in.Sig)
+			st.Buffers++
+			if key := [2]int{in.Sig, in.Region}; !regions[key] {
+				regions[key] = true
+				st.Slots++
+			}
+		}
+	}
+	return out, len(regions)
+}
+
 // compareTE computes, per signature, the buffers TransformerEngine's scheme
 // keeps for the same slot buffers: sample tuples are reused first-in
 // first-out among tuples of equal key once their chunk's backward entry ran
 // (weight-gradient steps are ignored, as TransformerEngine ignores them),
 // and one grad-output tuple is kept per grad key.
-func compareTE(p *schedule.Plan, bufs []*buffer, facts []Facts, sigs map[int]*SigStats) {
-	inputs := make([][]int, p.Passes) // pass -> sigs of its input slot buffers
+func compareTE(p *schedule.Plan, bufs []*buffer, shared [][]int, facts []Facts, sigs map[int]*SigStats) {
+	inputs := make([][]int, p.Passes) // pass -> sigs of its input slot buffers and shared samples
+	for pass, s := range shared {
+		inputs[pass] = append(inputs[pass], s...)
+	}
 	grads := make([][]int, p.Passes)
 	for _, b := range bufs {
 		switch b.role {

@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _pool, _te
+from . import _entries, _plan, _pool, _te
 from ._marks import GraphedMark
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -178,12 +178,15 @@ def normalize(
             raise TypeError(
                 f"gograph: {name} must be callable (called once, without arguments), got {type(hook).__name__}"
             )
+    kwargs_t = _te.canonicalize_sample_kwargs(
+        options.get("sample_kwargs"), len(args_t), just_one, order is not None, len(callables_t)
+    )
+    if flags["reuse"]:  # with an _order, in training: TransformerEngine's canonical entries
+        args_t, kwargs_t = _reorganised(sample_args, options, args_t, kwargs_t, len(callables_t), num_warmup_iters)
     return Request(
         callables=callables_t,
         sample_args=args_t,
-        sample_kwargs=_te.canonicalize_sample_kwargs(
-            options.get("sample_kwargs"), len(args_t), just_one, order is not None, len(callables_t)
-        ),
+        sample_kwargs=kwargs_t,
         just_one=just_one,
         num_warmup_iters=num_warmup_iters,
         allow_unused_input=bool(allow_unused_input),
@@ -199,6 +202,25 @@ def normalize(
         post_warmup_hook=options.get("post_warmup_hook"),
         **flags,
     )
+
+
+def _reorganised(
+    given: Any,
+    options: Mapping[str, Any],
+    args: tuple[tuple[Any, ...], ...],
+    kwargs: tuple[dict[str, Any], ...],
+    num_callables: int,
+    warmup_iters: int,
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """The sample entries of a buffer-reuse build as TransformerEngine reorganises them
+    (:mod:`gograph._entries`; the caller's lists in place) over the schedule the core plans."""
+    schedule = _plan.plan_schedule(
+        options["_order"], options.get("_num_layers_per_chunk"), num_callables, len(args), True, warmup_iters
+    )
+    try:
+        return _entries.reuse_sample_entries(given, options.get("sample_kwargs"), args, kwargs, schedule)
+    finally:
+        schedule.free()
 
 
 def _sample_args(sample_args: Any, just_one: bool, ordered: bool, n: int) -> tuple[tuple[Any, ...], ...]:

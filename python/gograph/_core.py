@@ -52,6 +52,7 @@ NAMES = (
     "live_passes",
     "plan_schedule",
     "plan_steps",
+    "plan_sample_entries",
     "plan_warmup",
     "plan_capture",
     "plan_memory",

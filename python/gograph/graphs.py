@@ -171,7 +171,11 @@ def make_graphed_callables(
         _reuse_graph_input_output_buffers: share static inputs and grad outputs between passes
             whose lifetimes over the schedule do not overlap, and hand outputs, input grads and
             cloned parameter grads back to the pool once the schedule is past their last use; the
-            plan is every callable's ``buffer_reuse``. Needs ``_order`` and training.
+            plan is every callable's ``buffer_reuse``. Needs ``_order`` and training. A
+            ``sample_args`` (``sample_kwargs``) *list* is reorganised in place as
+            TransformerEngine does: an entry an earlier, finished microbatch can serve becomes that
+            entry (``sample_args[i] = sample_args[j]``), so the samples no graph reads are freed
+            before warmup (a tuple keeps them alive until the call returns).
         share_microbatch_graphs: with ``_order``, the passes of one layer that the schedule never
             has in flight together (from a microbatch's forward to its backward, or its
             weight-gradient entry) replay one set of graphs and static buffers: captures per layer

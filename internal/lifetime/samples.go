@@ -1,0 +1,59 @@
+package lifetime
+
+import (
+	"fmt"
+
+	"github.com/gograph/gograph/internal/schedule"
+)
+
+// ReuseSampleEntries is TransformerEngine's reorganisation of an _order's
+// sample entries for _reuse_graph_input_output_buffers: walking the
+// schedule, each forward queues its passes per chunk; a chunk's backward
+// entry marks the passes of its oldest queued microbatch consumed (their
+// static inputs are free again), per sample key in forward order; and a
+// forward whose key has a consumed pass takes that pass's entry (the oldest
+// first). The result gives, per pass, the pass whose entry it becomes (itself
+// when none), resolved through earlier reuses: a caller's list then holds
+// one entry per slot, and the samples no pass keeps are free before warmup.
+//
+// keys[pass] identifies what must be equal for two entries to be one (the
+// leaves' shapes, dtypes and layouts, and, unlike TransformerEngine's key,
+// requires_grad and strides: an entry is never replaced by one a graph
+// would read differently).
+func ReuseSampleEntries(p *schedule.Plan, keys []int) ([]int, error) {
+	if !p.Ordered {
+		return nil, fmt.Errorf("sample entries are reorganised only for an _order schedule")
+	}
+	if len(keys) != p.Passes {
+		return nil, fmt.Errorf("%d sample keys for %d passes", len(keys), p.Passes)
+	}
+	entry := make([]int, p.Passes)
+	for i := range entry {
+		entry[i] = i
+	}
+	queued := map[int][]int{}   // chunk -> passes whose forward ran, oldest first
+	consumed := map[int][]int{} // key -> passes whose backward ran, oldest first
+	lastEntry := -1
+	for _, s := range p.Steps {
+		switch s.Kind {
+		case schedule.Forward:
+			queued[s.Chunk] = append(queued[s.Chunk], s.Pass)
+			if free := consumed[keys[s.Pass]]; len(free) > 0 {
+				entry[s.Pass] = entry[free[0]]
+				consumed[keys[s.Pass]] = free[1:]
+			}
+		case schedule.Backward:
+			if s.Entry == lastEntry {
+				continue // one backward entry consumes its chunk's oldest microbatch once
+			}
+			lastEntry = s.Entry
+			q := queued[s.Chunk]
+			n := min(len(q), p.Layers[s.Chunk-1])
+			for _, pass := range q[:n] {
+				consumed[keys[pass]] = append(consumed[keys[pass]], pass)
+			}
+			queued[s.Chunk] = q[n:]
+		}
+	}
+	return entry, nil
+}
