@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -99,6 +100,14 @@ class Trace:
 # ---------------------------------------------------------------------------------------------
 # process setup
 # ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    """A TCP port nothing listens on now (a port derived from the pid collided with another
+    process's store on a busy machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def setup(cfg: RunConfig, graphed: bool) -> None:
     """torch.distributed (gloo on the CPU, NCCL on CUDA), Megatron's parallel state, microbatch
     calculator and RNG tracker; for graphed runs on CUDA a side stream made current, as
@@ -113,7 +122,7 @@ def setup(cfg: RunConfig, graphed: bool) -> None:
             torch.cuda.set_stream(torch.cuda.Stream())
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     if world != cfg.pp:

@@ -162,47 +162,76 @@ def _timed_schedule(
 
 
 def eager_floor(cfg: Config) -> dict[str, int | None]:
-    """What the schedule itself needs: one eager run of the order over 64 fresh sample inputs
-    (each pass's input a sample that requires grad, as in warmup and capture; each backward
-    takes a fresh output grad), peak memory counted from before the samples were allocated.
-    Any graphing that keeps every pass's activations until its backward (as replay in the
-    schedule's order requires) cannot peak below this."""
+    """What the schedule itself needs, eagerly: one run of the order with each chunk's input a
+    fresh tensor that requires grad (what the rank receives) and each backward a fresh output
+    grad, peak memory counted from before the inputs were allocated: ``peak_bytes`` with every
+    pass fed a sample of its own (as warmup and capture feed them), ``chained_peak_bytes`` with a
+    chunk's later layers fed the previous layer's output (as the model runs). Any graphing that
+    keeps every pass's activations until its backward (as replay in the schedule's order
+    requires) cannot peak below these: the first for separate static inputs, the second for
+    layers reading their neighbour's output in place (``chain_buffers``)."""
     if cfg.device.type != "cuda":
-        return {"peak_bytes": None}
+        return {"peak_bytes": None, "chained_peak_bytes": None}
     torch.manual_seed(0)
     layers = [Layer(cfg.hidden, cfg.ffn).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.layers)]
-    for _ in range(2):  # the second run is measured: the first creates cuBLAS workspaces
-        _collect(cfg)
-        base = _allocated(cfg)
-        torch.cuda.reset_peak_memory_stats(cfg.device)
-        samples = [
-            torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
-            for _ in range(cfg.passes)
-        ]
-        fwd = [0] * cfg.chunks
-        bwd = [0] * cfg.chunks
-        live: dict[tuple[int, int], list[torch.Tensor]] = {}
-        for e in cfg.order:
-            c = abs(e) - 1
-            if e > 0:
-                m = fwd[c]
-                fwd[c] += 1
-                first = c * cfg.layers * cfg.micro + m * cfg.layers
-                live[(c, m)] = [layers[c * cfg.layers + li](samples[first + li]) for li in range(cfg.layers)]
-            else:
-                m = bwd[c]
-                bwd[c] += 1
-                for out in reversed(live.pop((c, m))):
-                    out.backward(torch.ones_like(out))
-        _sync(cfg)
-        peak = torch.cuda.max_memory_allocated(cfg.device) - base  # type: ignore[operator]
-        del samples, live
-        for p in (q for l in layers for q in l.parameters()):
-            p.grad = None
-    return {"peak_bytes": peak}
+    out = {}
+    for key, chained in (("peak_bytes", False), ("chained_peak_bytes", True)):
+        for _ in range(2):  # the second run is measured: the first creates cuBLAS workspaces
+            out[key] = _eager_run(cfg, layers, chained)
+    return out
 
 
-def bench_mode(cfg: Config, reuse: bool, share: bool = False) -> dict[str, Any]:
+def _eager_run(cfg: Config, layers: list[Layer], chained: bool) -> int:
+    _collect(cfg)
+    base = torch.cuda.memory_allocated(cfg.device)
+    torch.cuda.reset_peak_memory_stats(cfg.device)
+    per_chunk = 1 if chained else cfg.layers
+    samples = [
+        torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True)
+        for _ in range(cfg.chunks * cfg.micro * per_chunk)
+    ]
+    fwd, bwd = [0] * cfg.chunks, [0] * cfg.chunks
+    live: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for e in cfg.order:
+        c = abs(e) - 1
+        if e > 0:
+            m = fwd[c]
+            fwd[c] += 1
+            first = (c * cfg.micro + m) * per_chunk
+            outs = [layers[c * cfg.layers](samples[first])]
+            for li in range(1, cfg.layers):
+                outs.append(layers[c * cfg.layers + li](outs[-1] if chained else samples[first + li]))
+            live[(c, m)] = outs[-1:] if chained else outs
+        else:
+            m = bwd[c]
+            bwd[c] += 1
+            for o in reversed(live.pop((c, m))):
+                o.backward(torch.ones_like(o))
+    _sync(cfg)
+    peak = torch.cuda.max_memory_allocated(cfg.device) - base
+    del samples, live
+    for p in (q for layer in layers for q in layer.parameters()):
+        p.grad = None
+    return peak
+
+
+MODE_OPTIONS = {
+    "reuse": "_reuse_graph_input_output_buffers",
+    "share": "share_microbatch_graphs",
+    "chain": "chain_buffers",
+}
+
+
+def mode_options(mode: str) -> dict[str, bool]:
+    """A mode's options: ``no-reuse`` none, else ``+``-joined names of MODE_OPTIONS."""
+    names = [] if mode == "no-reuse" else mode.split("+")
+    unknown = [n for n in names if n not in MODE_OPTIONS]
+    if unknown:
+        raise ValueError(f"unknown mode part(s) {unknown}: no-reuse, or '+'-joined {', '.join(MODE_OPTIONS)}")
+    return {MODE_OPTIONS[n]: True for n in names}
+
+
+def bench_mode(cfg: Config, mode: str) -> dict[str, Any]:
     torch.manual_seed(0)
     layers = [Layer(cfg.hidden, cfg.ffn).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.layers)]
     params = [p for m in layers for p in m.parameters()]
@@ -210,21 +239,24 @@ def bench_mode(cfg: Config, reuse: bool, share: bool = False) -> dict[str, Any]:
     base = _allocated(cfg)
     if cfg.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(cfg.device)
-    samples = tuple(
+    # As Megatron-LM and TransformerEngine's callers pass them: a list, one tuple per pass.
+    samples = [
         (torch.randn(cfg.rows, cfg.hidden, device=cfg.device, dtype=cfg.dtype, requires_grad=True),)
         for _ in range(cfg.passes)
-    )
+    ]
     t0 = time.perf_counter()
-    graphed = gograph.make_graphed_callables(
-        tuple(layers),
-        samples,
-        num_warmup_iters=cfg.warmup_iters,
-        _order=cfg.order,
-        _num_layers_per_chunk=cfg.layers,
-        _reuse_graph_input_output_buffers=reuse,
-        share_microbatch_graphs=share,
-        engine="eager" if cfg.smoke else None,
-    )
+    try:
+        graphed = gograph.make_graphed_callables(
+            tuple(layers),
+            samples,
+            num_warmup_iters=cfg.warmup_iters,
+            _order=cfg.order,
+            _num_layers_per_chunk=cfg.layers,
+            engine="eager" if cfg.smoke else None,
+            **mode_options(mode),  # type: ignore[arg-type]
+        )
+    except (ValueError, NotImplementedError) as e:
+        return {"mode": mode, "microbatches": cfg.micro, "refused": str(e)}
     _sync(cfg)
     call_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(cfg.device) - base if base is not None else None
@@ -237,8 +269,7 @@ def bench_mode(cfg: Config, reuse: bool, share: bool = False) -> dict[str, Any]:
     stats = graphed[0].buffer_reuse
     sample_buffers = cfg.passes * 2  # per pass: its input and its output's grad buffer
     result: dict[str, Any] = {
-        "reuse": reuse,
-        "share": share,
+        "mode": mode,
         "microbatches": cfg.micro,
         "graph_sets": len({g.pass_id for g in graphed}),
         "engine": graphed[0].engine.name,
@@ -292,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-iters", type=int, default=3, help="num_warmup_iters of make_graphed_callables")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=4096)
-    ap.add_argument("--modes", default="no-reuse,reuse", help="comma-separated: no-reuse, reuse, share")
+    ap.add_argument(
+        "--modes", default="no-reuse,reuse", help="comma-separated: no-reuse, or '+'-joined reuse, share, chain"
+    )
     ap.add_argument("--microbatches", default="8", help="comma-separated microbatch counts (multiples of 4)")
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not (torch.cuda.is_available() and gograph.cuda_available()):
@@ -327,18 +360,24 @@ def main(argv: list[str] | None = None) -> int:
     floor = eager_floor(cfg)
     results["eager_schedule_floor"] = floor
     print(
-        f"eager run of the order over the samples: peak {_fmt(floor['peak_bytes'])} (the floor for any "
-        "graphing that keeps each pass's activations until its backward)"
+        f"eager run of the order: peak {_fmt(floor['peak_bytes'])} with a sample per pass, "
+        f"{_fmt(floor['chained_peak_bytes'])} with a chunk's layers chained (the floors for any graphing "
+        "that keeps each pass's activations until its backward)"
     )
     runs = [(m, mode.strip()) for m in counts for mode in args.modes.split(",") if mode.strip()]
     for micro, mode in runs:
-        if mode not in ("no-reuse", "reuse", "share"):
-            ap.error(f"unknown mode {mode!r}")
+        try:
+            mode_options(mode)
+        except ValueError as e:
+            ap.error(str(e))
         args.microbatches = micro
         cfg = Config(args)
         key = mode if len(counts) == 1 else f"{mode} x{micro}"
-        r = bench_mode(cfg, reuse=mode == "reuse", share=mode == "share")
+        r = bench_mode(cfg, mode)
         results["results"][key] = r
+        if "refused" in r:
+            print(f"[{key}] refused: {r['refused']}")
+            continue
         print(
             f"[{key}] engine={r['engine']} call {r['call_seconds']:.2f} s (captures {r['captures']}, "
             f"{r['graph_sets']} sets of graphs for {cfg.passes} passes, {(r['capture_seconds'] or 0):.2f} s)"

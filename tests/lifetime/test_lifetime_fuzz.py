@@ -28,6 +28,7 @@ cases exercised.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -58,7 +59,17 @@ def _check(case: Case, device: torch.device) -> None:
     violations = run_case(case, device, events)
     for e in sorted(set(events)):
         event(e)
+    _log_verdict(case, violations)
     assert not violations, "\n".join(violations)
+
+
+def _log_verdict(case: Case, violations: list[str]) -> None:
+    """With ``GOGRAPH_FUZZ_LOG`` set, appends the case and its verdict as a JSON line: the cases a
+    GPU run drew can be replayed on the CPU (tests/lifetime/replay_cases.py)."""
+    path = os.environ.get("GOGRAPH_FUZZ_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"case": repr(case), "violations": violations}) + "\n")
 
 
 @pytest.mark.one_python
