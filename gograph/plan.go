@@ -73,9 +73,11 @@ func PlanSteps(plan int64) (steps string, err error) {
 // PlanSampleEntries is TransformerEngine's reorganisation of an _order's
 // sample entries for _reuse_graph_input_output_buffers
 // (lifetime.ReuseSampleEntries): keys gives each pass's sample key as an
-// integer ("0,1,0,..."), and the result gives, per pass, the pass whose
-// entry it takes (its own when none), comma-separated.
-func PlanSampleEntries(plan int64, keys string) (entries string, err error) {
+// integer ("0,1,0,..."), chain says whether chain_buffers is on (a chunk's
+// later layers take their microbatch's first entry), and the result gives,
+// per pass, the pass whose entry it takes (its own when none),
+// comma-separated.
+func PlanSampleEntries(plan int64, keys string, chain bool) (entries string, err error) {
 	defer recoverPanic("plan_sample_entries", &err)
 	p, err := store.Get(plan)
 	if err != nil {
@@ -85,7 +87,7 @@ func PlanSampleEntries(plan int64, keys string) (entries string, err error) {
 	if err != nil {
 		return "", fmt.Errorf("plan_sample_entries: keys: %w", err)
 	}
-	e, err := lifetime.ReuseSampleEntries(p, k)
+	e, err := lifetime.ReuseSampleEntries(p, k, chain)
 	if err != nil {
 		return "", fmt.Errorf("plan_sample_entries: %w", err)
 	}

@@ -251,6 +251,7 @@ func producers(p *schedule.Plan) []int {
 func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt Options) []*buffer {
 	var bufs []*buffer
 	readers := chainedReaders(prog)
+	lives, members := colourLifetimes(facts, at, prog.Share), colourSizes(prog.Share)
 	for pass, f := range facts {
 		if prog.Share[pass] != pass {
 			continue // its representative's buffers serve it
@@ -259,10 +260,14 @@ func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt O
 		if !f.Backward {
 			bw, w = -1, -1
 		}
+		shared := members[pass] > 1 // every member's lifetime is the buffers'
 		for j, in := range f.Inputs {
 			if opt.Reuse && in.Slottable && prog.Inputs[pass][j].Kind == Own {
 				b := &buffer{role: Input, pass: pass, index: j, sig: in.Sig, slot: -1, release: -1}
 				b.span(fw, bw, w)
+				if shared {
+					b.span(fw, bw, w, lives[pass][0], lives[pass][1])
+				}
 				bufs = append(bufs, b)
 			}
 		}
@@ -270,11 +275,18 @@ func planBuffers(p *schedule.Plan, facts []Facts, prog *Program, at steps, opt O
 			if (opt.Reuse || internalGradOutput(f)) && prog.GradOutputs[pass][k].Kind == Own {
 				b := &buffer{role: GradOutput, pass: pass, index: k, sig: o.Sig, slot: -1, release: -1}
 				b.span(bw, w)
+				// A shared colour's incoming-grad buffer is written at each member's backward (and
+				// read by its weight gradient): its slot is the colour's over every member's
+				// lifetime, unless only grad-output buffers share slots (without Reuse), which
+				// each member's backward step alone holds.
+				if shared && (opt.Reuse || !internalGradOutput(f)) {
+					b.span(bw, w, lives[pass][0], lives[pass][1])
+				}
 				bufs = append(bufs, b)
 			}
 		}
-		if !opt.Release {
-			continue
+		if !opt.Release || shared {
+			continue // a shared colour's pool takes no capture after its own
 		}
 		bufs = append(bufs, outputBuffers(facts, pass, fw, bw, readers[pass], at, opt)...)
 		bufs = append(bufs, gradInputBuffers(p, f, prog, pass, bw, at, opt)...)

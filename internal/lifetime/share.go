@@ -29,13 +29,18 @@ import (
 
 // shareGraphs returns, per pass, the pass whose graphs it replays: itself
 // unless opt asks for sharing and the schedule allows it (an _order without
-// Reuse or Chain, whose buffer plans span passes).
+// Chain, whose chained buffers span passes). With Reuse, a colour's buffers
+// are planned over the colour's enclosing lifetime and none goes back to the
+// pool (its graphs capture once, in a pool of their own: nothing later could
+// carve what they free), and the caller's sample entries are reorganised per
+// callable (ReuseSampleEntries with per-callable keys), so that a colour's
+// members take its representative's entry.
 func shareGraphs(p *schedule.Plan, facts []Facts, at steps, opt Options) []int {
 	rep := make([]int, p.Passes)
 	for i := range rep {
 		rep[i] = i
 	}
-	if !opt.Share || !p.Ordered || opt.Reuse || opt.Chain {
+	if !opt.Share || !p.Ordered || opt.Chain {
 		return rep
 	}
 	byCallable := map[int][]int{} // callable -> its passes in forward order
@@ -105,6 +110,15 @@ func colourLifetimes(facts []Facts, at steps, rep []int) map[int][2]int {
 		life[r] = l
 	}
 	return life
+}
+
+// colourSizes gives each representative the number of passes in its colour.
+func colourSizes(rep []int) map[int]int {
+	n := map[int]int{}
+	for _, r := range rep {
+		n[r]++
+	}
+	return n
 }
 
 // Sharers lists the passes that replay another's graphs, as (pass,

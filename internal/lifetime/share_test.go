@@ -116,11 +116,15 @@ func TestShareGraphs(t *testing.T) {
 					t.Errorf("sharers %v, want %v", got, c.share)
 				}
 			}
-			// Without the option, or with Reuse or Chain, every pass captures its own.
-			for _, o := range []Options{{Release: true}, {Release: true, Share: true, Reuse: true}, {Release: true, Share: true, Chain: true}} {
+			// Without the option, or with Chain, every pass captures its own; Reuse shares alike.
+			for _, o := range []Options{{Release: true}, {Release: true, Share: true, Chain: true}} {
 				if s := mustCapture(t, p, facts, o).Sharers(); len(s) != 0 {
 					t.Errorf("options %+v: sharers %v", o, s)
 				}
+			}
+			withReuse := mustCapture(t, p, facts, Options{Release: true, Share: true, Reuse: p.Ordered})
+			if p.Ordered && !reflect.DeepEqual(withReuse.Share, prog.Share) {
+				t.Errorf("with Reuse: share %v, without %v", withReuse.Share, prog.Share)
 			}
 		})
 	}

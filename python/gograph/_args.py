@@ -218,7 +218,11 @@ def _reorganised(
         options["_order"], options.get("_num_layers_per_chunk"), num_callables, len(args), True, warmup_iters
     )
     try:
-        return _entries.reuse_sample_entries(given, options.get("sample_kwargs"), args, kwargs, schedule)
+        chain = bool(options.get("chain_buffers", False))
+        share = bool(options.get("share_microbatch_graphs", False))
+        return _entries.reuse_sample_entries(
+            given, options.get("sample_kwargs"), args, kwargs, schedule, chain=chain, share=share
+        )
     finally:
         schedule.free()
 
@@ -315,19 +319,19 @@ def _flags(options: Mapping[str, Any], ordered: bool, training: bool, warmup: in
 
 def _share_option(options: Mapping[str, Any], ordered: bool, reuse: bool, chain: bool, clone: bool) -> bool:
     """``share_microbatch_graphs``: only with ``_order`` (the schedule says which microbatches are
-    in flight together), not with the buffer plans that span passes, and not with torch's aliased
-    parameter grads."""
+    in flight together), not with chained buffers (they span passes), and not with torch's
+    aliased parameter grads."""
     share = bool(options.get("share_microbatch_graphs", False))
     if share and not ordered:
         raise ValueError(
             "gograph: share_microbatch_graphs needs _order: the pipeline schedule says which microbatches of a "
             "layer are in flight together (without _order every callable is one pass)"
         )
-    if share and (reuse or chain):
+    if share and chain:
         raise ValueError(
-            "gograph: share_microbatch_graphs cannot be combined with "
-            f"{'_reuse_graph_input_output_buffers' if reuse else 'chain_buffers'}: those plan buffers across "
-            "passes, and a shared graph's buffers serve several microbatches; choose one"
+            "gograph: share_microbatch_graphs cannot be combined with chain_buffers: a chained buffer spans "
+            "two passes, and a shared graph's buffers serve several microbatches; choose one (with "
+            "_reuse_graph_input_output_buffers, shared graphs reuse the samples and grad-output buffers)"
         )
     if share and not clone:
         raise ValueError(

@@ -10,6 +10,10 @@ flat in the microbatch count. gograph does the same (the walk is the core's,
 agree in shape, strides, dtype, layout, device and ``requires_grad`` and their structure and
 keyword names match, so no graph reads an entry differently than its own. Tuples are left as
 they are (their samples then live until the call returns), as in TransformerEngine.
+
+With ``chain_buffers`` a chunk's later layers read the previous layer's output in place and no
+sample: each of their entries becomes its microbatch's previous layer's entry as well (when the
+two match), so one sample per microbatch in flight is kept.
 """
 
 from __future__ import annotations
@@ -44,13 +48,20 @@ def reuse_sample_entries(
     args: tuple[tuple[Any, ...], ...],
     kwargs: tuple[dict[str, Any], ...],
     schedule: _plan.Schedule,
+    chain: bool = False,
+    share: bool = False,
 ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
     """The entries after TransformerEngine's reorganisation over ``schedule`` (see the module
-    docstring). ``given_args`` / ``given_kwargs`` are what the caller passed: when lists, their
-    entries are replaced in place, as TransformerEngine replaces them."""
+    docstring); with ``chain`` (``chain_buffers``) a chunk's later layer whose entry matches its
+    previous layer's takes that layer's entry too (it reads the previous output, no sample); with
+    ``share`` (``share_microbatch_graphs``) entries are reused per callable only, so that the
+    microbatches replaying one set of graphs take its first member's entry.
+    ``given_args`` / ``given_kwargs`` are what the caller passed: when lists, their entries are
+    replaced in place, as TransformerEngine replaces them."""
     ids: dict[tuple[Any, ...], int] = {}
-    keys = [ids.setdefault(entry_key(a, k), len(ids)) for a, k in zip(args, kwargs)]
-    text = str(_core.plan_sample_entries(schedule.handle, ",".join(map(str, keys))))
+    owner = schedule.callable_of if share else (0,) * len(args)
+    keys = [ids.setdefault((owner[p], entry_key(a, k)), len(ids)) for p, (a, k) in enumerate(zip(args, kwargs))]
+    text = str(_core.plan_sample_entries(schedule.handle, ",".join(map(str, keys)), bool(chain)))
     entries = [int(e) for e in text.split(",")] if text else []
     _replace_in(given_args, entries)
     _replace_in(given_kwargs, entries)

@@ -184,9 +184,9 @@ def make_graphed_callables(
             released when the last callable replaying it is reset. Outputs and input grads alias
             static buffers that the next forward (backward) of *any* callable sharing the graphs
             overwrites, and calling one while another's backward (or ``backward_dw()``) is pending
-            raises RuntimeError. Not with ``_reuse_graph_input_output_buffers``, ``chain_buffers``
-            or ``clone_param_grads_on_return=False``; the eager engine only, for now (the CUDA
-            engine raises NotImplementedError).
+            raises RuntimeError. With ``_reuse_graph_input_output_buffers`` a ``sample_args`` list
+            keeps one sample per set of graphs. Not with ``chain_buffers`` or
+            ``clone_param_grads_on_return=False``.
         pre_warmup_hook, post_warmup_hook: called once before and after all warmup iterations
             (``post_warmup_hook`` also when warmup fails).
         capture_time_hooks: one dict (or None) per callable with any of ``forward_pre_hooks``,

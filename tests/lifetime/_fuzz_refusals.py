@@ -41,7 +41,7 @@ def expected_refusals(case: Case, device: str = "cpu") -> tuple[list[Refusal], l
     p = case.pipeline
     if case.share and p is None:
         must.append(Refusal(ValueError, r"share_microbatch_graphs needs _order"))
-    if case.share and p is not None and (case.reuse or case.chain_buffers):
+    if case.share and p is not None and case.chain_buffers:
         must.append(Refusal(ValueError, r"share_microbatch_graphs cannot be combined with"))
     elif case.share and p is not None and not case.clone_param_grads:
         must.append(Refusal(ValueError, r"share_microbatch_graphs needs clone_param_grads_on_return=True"))

@@ -203,7 +203,6 @@ def test_more_microbatches_capture_no_more_graphs() -> None:
     ("options", "message"),
     [
         ({}, "needs _order"),
-        ({"_reuse_graph_input_output_buffers": True}, "cannot be combined with _reuse_graph_input_output_buffers"),
         ({"chain_buffers": True}, "cannot be combined with chain_buffers"),
         ({"clone_param_grads_on_return": False}, "needs clone_param_grads_on_return=True"),
         ({"share_microbatch_graphs": 1}, "must be a bool"),
