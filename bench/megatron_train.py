@@ -376,6 +376,7 @@ class Run:
             "labels": [str(getattr(g, "label", "")) for g in held],
             "types": sorted({type(g).__name__ for g in held}),
             "engines": sorted({g.engine.name for g in held if isinstance(g, gograph.GraphedCallable)}),
+            "chained": sum(1 for g in held if isinstance(g, gograph.GraphedCallable) and g.chained_inputs),
             "live_graphs": gograph.live_graphs(),
         }
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-import gograph
 from gograph import _capture_state
 
 from megatron_runs import needs_megatron
@@ -58,7 +57,8 @@ def test_the_switch_binds_gograph_itself_and_back(megatron: Any, te_graph_names:
     assert not megatron.in_use()
     megatron.use_gograph()
     megatron.use_gograph()  # twice changes nothing
-    assert cuda_graphs.make_graphed_callables is gograph.make_graphed_callables  # no adapter
+    # gograph's function behind the plan choice for Megatron's schedules, nothing else
+    assert cuda_graphs.make_graphed_callables is megatron.megatron_make_graphed_callables
     assert megatron.in_use()
     assert megatron.record_capture_state in _capture_state._recorders
     megatron.use_transformer_engine()
@@ -80,7 +80,7 @@ def test_the_switch_refuses_an_untested_megatron(
     assert cuda_graphs.make_graphed_callables is te_graph_names
     with caplog.at_level(logging.WARNING, logger="gograph"):
         megatron.use_gograph(strict=False)
-    assert cuda_graphs.make_graphed_callables is gograph.make_graphed_callables
+    assert cuda_graphs.make_graphed_callables is megatron.megatron_make_graphed_callables
     assert "0.18.0, which this switch was not tested with" in caplog.text
 
 
@@ -92,7 +92,7 @@ def test_the_switch_refuses_megatron_without_transformer_engine_graph_names(
     monkeypatch.setattr(cuda_graphs, "HAVE_TE_GRAPHS", False)
     with pytest.raises(RuntimeError, match=r"HAVE_TE_GRAPHS is False.*pip install transformer-engine"):
         megatron.use_gograph()
-    assert cuda_graphs.__dict__.get("make_graphed_callables") is not gograph.make_graphed_callables
+    assert cuda_graphs.__dict__.get("make_graphed_callables") is not megatron.megatron_make_graphed_callables
 
 
 def test_the_switch_says_megatron_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,3 +114,27 @@ def test_the_recorder_ignores_what_megatron_is_not_capturing(megatron: Any) -> N
         assert megatron.record_capture_state(torch.nn.Linear(2, 2)) is None  # not a Megatron layer
     finally:
         cuda_graphs._set_capture_end()
+
+
+def test_chained_buffers_only_for_whole_transformer_layers_in_an_order(megatron: Any) -> None:
+    """The switch asks for chain_buffers where Megatron graphs whole TransformerLayers in an
+    _order (its TransformerBlock calls each with the previous one's output), nowhere else."""
+    import types
+
+    import torch
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def layer(modules: list[str]) -> Any:
+        m = TransformerLayer.__new__(TransformerLayer)  # the type is what matters, not a built layer
+        torch.nn.Module.__init__(m)
+        m.config = types.SimpleNamespace(cuda_graph_modules=modules)
+        return m
+
+    whole = (layer([]), layer([]))
+    order = {"_order": [1, -1], "num_warmup_iters": 1}
+    assert megatron.chain_allowed(whole, order)
+    assert not megatron.chain_allowed(whole, {"num_warmup_iters": 1})  # no _order
+    assert not megatron.chain_allowed(whole, {**order, "num_warmup_iters": 0})
+    assert not megatron.chain_allowed(whole, {**order, "share_microbatch_graphs": True})
+    assert not megatron.chain_allowed((layer([]), layer(["attn"])), order)  # a partial layer
+    assert not megatron.chain_allowed((layer([]), torch.nn.Linear(2, 2)), order)  # not a TransformerLayer

@@ -30,6 +30,7 @@ def test_megatron_trains_bitwise_with_gograph(tmp_path: Path) -> None:
         "TransformerLayer[chunk 1 layer 0 microbatch 0]",
         "TransformerLayer[chunk 1 layer 1 microbatch 0]",
     ]
+    assert graphs["chained"] == 1  # the switch chains the second layer to the first (whole layers)
 
 
 def test_megatron_interleaved_pipeline_trains_bitwise_with_gograph(tmp_path: Path) -> None:

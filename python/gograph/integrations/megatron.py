@@ -37,7 +37,15 @@ import torch
 from .. import _capture_state
 from ..graphs import make_graphed_callables
 
-__all__ = ["SUPPORTED_VERSIONS", "in_use", "megatron_core_version", "use_gograph", "use_transformer_engine"]
+__all__ = [
+    "SUPPORTED_VERSIONS",
+    "chain_allowed",
+    "in_use",
+    "megatron_core_version",
+    "megatron_make_graphed_callables",
+    "use_gograph",
+    "use_transformer_engine",
+]
 
 log = logging.getLogger("gograph")
 
@@ -60,7 +68,8 @@ def megatron_core_version() -> str:
 def use_gograph(*, strict: bool = True) -> None:
     """Megatron-Core's ``cuda_graph_impl="transformer_engine"`` path captures with gograph.
 
-    Binds :func:`gograph.make_graphed_callables` as
+    Binds :func:`megatron_make_graphed_callables` (:func:`gograph.make_graphed_callables` with the
+    memory plan Megatron's schedule allows) as
     ``megatron.core.transformer.cuda_graphs.make_graphed_callables`` (calling it again changes
     nothing) and, for the eager engine, records Megatron's capture state at each capture.
 
@@ -90,9 +99,9 @@ def use_gograph(*, strict: bool = True) -> None:
         )
     with _lock:
         current = cuda_graphs.make_graphed_callables
-        if current is not make_graphed_callables:
+        if current is not megatron_make_graphed_callables:
             _bound_before[:] = [current]
-            setattr(cuda_graphs, "make_graphed_callables", make_graphed_callables)  # noqa: B010
+            setattr(cuda_graphs, "make_graphed_callables", megatron_make_graphed_callables)  # noqa: B010
         _capture_state.register(record_capture_state)
     log.info("gograph: Megatron-Core %s's TECudaGraphHelper now captures with gograph", version)
 
@@ -102,7 +111,7 @@ def use_transformer_engine() -> None:
     (TransformerEngine's), and stops recording its capture state. Graphs already made stay."""
     cuda_graphs = _import(_CUDA_GRAPHS)
     with _lock:
-        if _bound_before and getattr(cuda_graphs, "make_graphed_callables", None) is make_graphed_callables:
+        if _bound_before and getattr(cuda_graphs, "make_graphed_callables", None) is megatron_make_graphed_callables:
             setattr(cuda_graphs, "make_graphed_callables", _bound_before[0])  # noqa: B010
         _bound_before.clear()
         _capture_state.unregister(record_capture_state)
@@ -111,7 +120,38 @@ def use_transformer_engine() -> None:
 def in_use() -> bool:
     """Whether Megatron-Core's TransformerEngine graph path is bound to gograph now."""
     cuda_graphs = _import(_CUDA_GRAPHS)
-    return getattr(cuda_graphs, "make_graphed_callables", None) is make_graphed_callables
+    return getattr(cuda_graphs, "make_graphed_callables", None) is megatron_make_graphed_callables
+
+
+def megatron_make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`gograph.make_graphed_callables` as Megatron-Core calls it, with the memory plan its
+    schedule allows (:func:`chain_allowed`): ``chain_buffers=True`` where every callable is a
+    whole transformer layer of a pipeline ``_order`` (each layer of a chunk reads the previous
+    one's output in place; with Megatron's ``_reuse_graph_input_output_buffers`` the lowest peak a
+    pipeline rank has, and one sample per microbatch in flight). An option Megatron passes itself
+    is left as it is."""
+    if "chain_buffers" not in kwargs and chain_allowed(callables, kwargs):
+        kwargs["chain_buffers"] = True
+    return make_graphed_callables(callables, sample_args, *args, **kwargs)
+
+
+def chain_allowed(callables: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether Megatron's call graphs whole transformer layers in a pipeline ``_order`` (with at
+    least one warmup iteration and no shared graphs): then its ``TransformerBlock`` calls each
+    layer of a chunk with the previous layer's output itself, which ``chain_buffers`` reads in
+    place. Partial layers (``cuda_graph_modules``), multi-token-prediction or other layers, and
+    anything else keep Megatron's own options."""
+    import sys
+
+    layer_mod = sys.modules.get("megatron.core.transformer.transformer_layer")
+    layer_cls = getattr(layer_mod, "TransformerLayer", None)
+    if layer_cls is None or kwargs.get("_order") is None or kwargs.get("share_microbatch_graphs"):
+        return False
+    if kwargs.get("num_warmup_iters", 3) < 1 or not isinstance(callables, tuple) or not callables:
+        return False
+    return all(
+        type(c) is layer_cls and not getattr(getattr(c, "config", None), "cuda_graph_modules", None) for c in callables
+    )
 
 
 def record_capture_state(module: torch.nn.Module) -> _capture_state.StateFactory | None:
