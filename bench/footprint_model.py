@@ -177,9 +177,48 @@ def pools_trace(prof: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The pipeline rank's build cells: bench/pipeline.py's call (rank 0 of 4 stages, 4 chunks x 2
+#: layers, hidden 1024, 4096 rows, bf16) at a microbatch count (the cell's mode).
+PIPELINE_BUILD = "pipeline-build"
+
+
+def run_pipeline_build(arm: str, micro: int) -> dict[str, Any]:
+    """What graphing the pipeline rank allocates, modelled: the samples (one fresh tensor per
+    pass, in a list, as Megatron-LM's and TransformerEngine's callers pass them) are made before
+    the record starts, so the figure is the call's own -- warmup, captures and the buffers they
+    keep -- whatever the caller allocated; with buffer reuse it is flat in the microbatch count."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from pipeline import Layer
+
+    maker, kwargs = parse_arm(arm)
+    if maker != "gograph":
+        raise SystemExit(f"{PIPELINE_BUILD}: a gograph arm, got {arm!r}")
+    chunks, per_chunk, hidden, rows = 4, 2, 1024, 4096
+    torch.manual_seed(0)
+    layers = tuple(Layer(hidden, 4 * hidden).to(torch.bfloat16) for _ in range(chunks * per_chunk))
+    samples = [
+        (torch.empty(rows, hidden, dtype=torch.bfloat16).requires_grad_(),) for _ in range(chunks * per_chunk * micro)
+    ]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, NoCompute():
+        graphed = gograph.make_graphed_callables(
+            layers,
+            samples,
+            _order=gograph.megatron_order(4, 0, chunks, micro),
+            _num_layers_per_chunk=per_chunk,
+            engine=PoolMarkingEngine(),
+            **kwargs,
+        )
+        del samples, graphed
+    result = _footprint(_core.simulate_pools(pools_trace(prof)))
+    return {"workload": PIPELINE_BUILD, "arm": arm, "mode": str(micro), **result}
+
+
 def run_cell(name: str, arm: str, mode: str, steps: int = STEPS) -> dict[str, Any]:
     """One cell modelled: the pools' peak reserved and allocated bytes (relative to after model
-    init, as bench/footprint.py's), per pool, and the run's wall time."""
+    init, as bench/footprint.py's), per pool, and the run's wall time. The pipeline build cells
+    (``pipeline-build``) take the microbatch count as their mode (:func:`run_pipeline_build`)."""
+    if name == PIPELINE_BUILD:
+        return run_pipeline_build(arm, int(mode))
     device = torch.device("cpu")
     wl = workload(name, False)
     maker, kwargs = parse_arm(arm)
@@ -224,17 +263,22 @@ def _footprint(text: str) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     """Modelled peak reserved MiB and x eager per cell, with each pool's peak."""
     eager = {(r["workload"], r["mode"]): r["peak_reserved"] for r in rows if r["arm"] == "eager"}
-    out = ["| workload | zero_grad | arm | modelled peak reserved MiB | x eager | default / warmup / graph pool MiB |"]
+    head = "| workload | zero_grad (microbatches) | arm | modelled peak reserved MiB | x eager |"
+    out = [head + " default / warmup / graph pool MiB |"]
     out.append("|---|---|---|---|---|---|")
     for r in rows:
         base = eager.get((r["workload"], r["mode"]))
         ratio = f"{r['peak_reserved'] / base:.3f}" if base else "-"
         pools = " / ".join(f"{r['pools'][p]['peak_reserved'] / MiB:.0f}" for p in ("d", "w", "g"))
         out.append(
-            f"| {r['workload']} | set_to_none={MODES[r['mode']]} | {r['arm']} | {r['peak_reserved'] / MiB:.0f} "
+            f"| {r['workload']} | {_mode_text(r['mode'])} | {r['arm']} | {r['peak_reserved'] / MiB:.0f} "
             f"| {ratio} | {pools} |"
         )
     return "\n".join(out)
+
+
+def _mode_text(mode: str) -> str:
+    return f"set_to_none={MODES[mode]}" if mode in MODES else f"{mode} microbatches"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,16 +289,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--cell", nargs=3, metavar=("WORKLOAD", "ARM", "MODE"), help="one cell, as a JSON line")
+    ap.add_argument(
+        "--pipeline-arms",
+        default="",
+        help=f"comma-separated gograph arms of the {PIPELINE_BUILD} cells, at 8 and 64 microbatches",
+    )
     args = ap.parse_args(argv)
     if args.cell:
         print(json.dumps(run_cell(*args.cell, steps=args.steps)))
         return 0
     rows = [
         run_cell(name, arm, mode, args.steps)
-        for name in args.workloads.split(",")
+        for name in filter(None, args.workloads.split(","))
         for mode in args.modes.split(",")
         for arm in args.arms.split(",")
     ]
+    rows += [run_pipeline_build(arm, m) for arm in filter(None, args.pipeline_arms.split(",")) for m in (8, 64)]
     print(table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
