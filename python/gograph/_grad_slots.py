@@ -14,7 +14,8 @@ executed by :mod:`gograph.graphed`), and the slots of a delayed weight-gradient 
   replay); a tensor the module assigned is the graph's *own buffer* (held likewise, and the slot
   gets back what it held: nobody else ever sees that buffer, which other graphs of the pool may
   write);
-* at replay, :func:`pending` finds the slots not in the captured state (None, another tensor: the
+* at replay, the check :func:`pending_check` binds once per graph finds the slots not in the
+  captured state (None, another tensor: the
   caller dropped, replaced or pre-initialised them since), cheaply enough for every call;
   :func:`plan` asks the policy about each (refusing before anything runs where eager could not
   add the gradient either); :func:`execute` prepares the graph's memory, replays, and delivers
@@ -51,7 +52,7 @@ __all__ = [
     "backward_table",
     "capture_targets",
     "execute",
-    "pending",
+    "pending_check",
     "plan",
     "policy",
     "read_slot",
@@ -213,23 +214,31 @@ def capture_targets(before: Snapshot) -> tuple[WgradTarget, ...]:
 # ---------------------------------------------------------------------------------------------
 # Replay
 # ---------------------------------------------------------------------------------------------
-def pending(targets: Sequence[WgradTarget]) -> list[WgradTarget] | None:
-    """The targets a replay alone does not serve, or None (every slot adds into the tensor its
-    graph captured: the replay is all). On every ``backward_dw()``: kept to a few attribute
-    reads per target."""
-    todo: list[WgradTarget] | None = None
-    for t in targets:
-        if t.source is GradSource.WGRAD_ADD:
-            p = t.param()
+def pending_check(targets: Sequence[WgradTarget] | None) -> Callable[[], list[WgradTarget] | None] | None:
+    """The check ``backward_dw()`` runs on every call, bound to a graph's targets (fixed at
+    capture; None when it has none). It returns the targets a replay alone does not serve, or
+    None: those the graph adds into whose slot holds another tensor or None now, and those whose
+    graph writes its own buffer, always. A few reads per target, from plain tuples."""
+    if not targets:
+        return None
+    adds = tuple((t.param, t.attr, t.ptr, t) for t in targets if t.source is GradSource.WGRAD_ADD)
+    others = [t for t in targets if t.source is not GradSource.WGRAD_ADD]
+
+    def pending() -> list[WgradTarget] | None:
+        todo = list(others) if others else None
+        for ref, attr, ptr, t in adds:
+            p = ref()
             if p is None:
                 continue
-            now = getattr(p, t.attr, None)
-            if isinstance(now, Tensor) and now.data_ptr() == t.ptr:
+            now = getattr(p, attr, None)
+            if isinstance(now, Tensor) and now.data_ptr() == ptr:
                 continue
-        if todo is None:
-            todo = []
-        todo.append(t)
-    return todo
+            if todo is None:
+                todo = []
+            todo.append(t)
+        return todo
+
+    return pending
 
 
 def _state(t: WgradTarget, now: Any) -> SlotState:

@@ -354,11 +354,6 @@ class WgradBody:
                     )
                 fn()
 
-    def pending(self) -> list[_grad_slots.WgradTarget] | None:
-        """The targets a replay alone does not serve (None: every slot holds the tensor the graph
-        adds into, the usual case)."""
-        return _grad_slots.pending(self.targets) if self.targets else None
-
 
 # ---------------------------------------------------------------------------------------------
 # Grad rules of TransformerEngine's warmup

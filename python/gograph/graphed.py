@@ -342,6 +342,8 @@ class GraphedCallable(GraphedMark):
         self.original_forward = spec.forward_fn if spec.module is not None else None
         self.original_forward_is_method = spec.forward_is_method
         self._wgrad = result.wgrad
+        # backward_dw()'s check of the slots its graph writes, bound once (the targets are fixed at capture)
+        self._wgrad_pending = _grad_slots.pending_check(result.wgrad.targets if result.wgrad is not None else None)
         self._sharers = result.sharers
         self._released = False
         # The finalizer must not reference self: it gets the engine, the pass id, the pool.
@@ -707,18 +709,17 @@ class GraphedCallable(GraphedMark):
             self._raise_reset(WGRAD, "; backward_dw() has no weight-gradient graph to replay")
         if wgrad is None:
             return
-        todo = wgrad.pending()  # a .grad / .main_grad dropped or replaced since the capture
-        steps = _grad_slots.plan(todo, wgrad.label) if todo is not None else None  # may refuse: nothing ran
-        if self._check_replay_order:  # debug guard: refuse before anything is launched
-            _core.check_replay_order(self.pass_id, WGRAD)
-        lent = self.shared.lent
-        if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
-            lent.sweep(self._wgrad_lent_from)
-        if steps is None:
+        pending = self._wgrad_pending
+        todo = pending() if pending is not None else None  # a .grad / .main_grad dropped or replaced since
+        if todo is not None:
+            self._replay_wgrad_serving(todo, wgrad.label)
+        else:  # every slot holds the tensor the graph adds into: the replay is all
+            if self._check_replay_order:  # debug guard: refuse before anything is launched
+                _core.check_replay_order(self.pass_id, WGRAD)
+            lent = self.shared.lent
+            if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
+                lent.sweep(self._wgrad_lent_from)
             self.engine.replay(self.pass_id, WGRAD)
-        else:  # its memory is prepared first: after the previous replay, which may be on another stream
-            self.engine.order(self.pass_id, WGRAD)
-            _grad_slots.execute(steps, lambda: self.engine.replay(self.pass_id, WGRAD))
         if self._sharers is not None:
             self._sharers.wgrad_ran(self.index)
         if self._check_replay_order and WATCH.watches(self.pass_id, WGRAD):
@@ -727,6 +728,20 @@ class GraphedCallable(GraphedMark):
             trigger = getattr(m, "_trigger_wgrad_accumulation_and_reduce_hooks", None)
             if trigger is not None and m.need_backward_dw():
                 trigger()
+
+    def _replay_wgrad_serving(self, todo: list[_grad_slots.WgradTarget], label: str) -> None:
+        """The weight-gradient replay when slots it writes were dropped or replaced since the
+        capture: the policy decides for each first (a refusal raises with nothing launched), the
+        graph's memory is prepared after the previous replay (which may be on another stream),
+        and each slot gets its gradient once the graph ran."""
+        steps = _grad_slots.plan(todo, label)
+        if self._check_replay_order:
+            _core.check_replay_order(self.pass_id, WGRAD)
+        lent = self.shared.lent
+        if lent is not None and lent.entries:
+            lent.sweep(self._wgrad_lent_from)
+        self.engine.order(self.pass_id, WGRAD)
+        _grad_slots.execute(steps, lambda: self.engine.replay(self.pass_id, WGRAD))
 
     # -- errors -------------------------------------------------------------------------------
     def _raise_nested_capture(self) -> None:
@@ -825,6 +840,7 @@ class GraphedCallable(GraphedMark):
         self.static_input_surface = self.static_outputs = self.module_params = ()
         self.static_grad_outputs = self.static_grad_inputs = ()
         self._param_grad_slots, self._input_sig, self._wgrad, self._shared_guards = (), (), None, ()
+        self._wgrad_pending = None  # the targets it held go with the graph
 
 
 def _no_backward_reason(spec: PassSpec) -> str:
