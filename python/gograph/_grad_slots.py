@@ -9,18 +9,18 @@ executed by :mod:`gograph.graphed`), and the slots of a delayed weight-gradient 
 (TransformerEngine's ``backward_dw()``), executed here:
 
 * at capture, :func:`snapshot` and :func:`capture_targets` read what the module's work did to each
-  slot of its parameters: a tensor added into in place is the graph's *target* (gograph keeps a
-  reference to that memory for the graph's lifetime: the graph adds into that address at every
-  replay); a tensor the module assigned is the graph's *own buffer* (held likewise, and the slot
-  gets back what it held: nobody else ever sees that buffer, which other graphs of the pool may
-  write);
+  slot of its parameters (without warmup, an empty ``.grad`` is shown a zero tensor, so that the
+  capture sees what the work does to an existing one: :func:`fillers`): a tensor added into in
+  place is the graph's *target* (gograph keeps a reference to that memory for the graph's
+  lifetime: the graph adds into that address at every replay); a tensor the module assigned is
+  the graph's *own buffer* (held likewise; nobody else ever sees it, as other graphs of the pool
+  may write it); every slot then gets back what the caller had in it;
 * at replay, the check :func:`pending_check` binds once per graph finds the slots not in the
-  captured state (None, another tensor: the
-  caller dropped, replaced or pre-initialised them since), cheaply enough for every call;
-  :func:`plan` asks the policy about each (refusing before anything runs where eager could not
-  add the gradient either); :func:`execute` prepares the graph's memory, replays, and delivers
-  what eager's ``backward_dw()`` would have left: the target lent back, a copy, or the gradient
-  added into the slot's tensor;
+  captured state (None, another tensor: the caller dropped, replaced or pre-initialised them
+  since), cheaply enough for every call; :func:`plan` asks the policy about each (refusing before
+  anything runs where eager could not add the gradient either); :func:`execute` prepares the
+  graph's memory, replays, and delivers what eager's ``backward_dw()`` would have left: the
+  target lent back, a copy, or the gradient added into the slot's tensor;
 * :func:`as_captured` lets the eager engine's replay (which re-runs the module's Python) write
   what the CUDA graph writes: the target, or the graph's own buffer, whatever the slot holds.
 
@@ -52,10 +52,12 @@ __all__ = [
     "backward_table",
     "capture_targets",
     "execute",
+    "fillers",
     "pending_check",
     "plan",
     "policy",
     "read_slot",
+    "show",
     "snapshot",
     "sweep_table",
     "write_slot",
@@ -188,26 +190,47 @@ def _target_reference(t: Tensor) -> Tensor:
     return ref
 
 
-def capture_targets(before: Snapshot) -> tuple[WgradTarget, ...]:
-    """The slots the capture's work wrote (``before`` taken just before it ran), as the policy
-    reads them. A slot the module assigned a tensor to gets back what it held: that tensor is
-    the graph's own buffer from now on."""
+def fillers(mods: Sequence[Any]) -> list[tuple[torch.nn.Parameter, Tensor]]:
+    """A zero tensor for each empty ``.grad`` of the modules' parameters that require grad, made
+    before a capture that no warmup preceded: shown to the capture instead of None, it tells
+    what the module does to an existing ``.grad`` (add into it, replace it), which then decides
+    both states (None: assign, the only thing eager does there). Made outside the capture, so that
+    no graph replays its zeroing."""
+    return [
+        (p, torch.zeros_like(p, memory_format=torch.preserve_format))
+        for m in mods
+        for p in m.parameters()
+        if p.requires_grad and p.grad is None
+    ]
+
+
+def show(filled: Sequence[tuple[torch.nn.Parameter, Tensor]]) -> None:
+    """Puts the :func:`fillers` in their slots (for the capture only)."""
+    for p, z in filled:
+        if p.grad is None:
+            p.grad = z
+
+
+def capture_targets(shown: Snapshot, original: Snapshot) -> tuple[WgradTarget, ...]:
+    """The slots the capture's work wrote, as the policy reads them (``shown``: the slots as the
+    work found them, just before it ran). Every slot then gets back what the caller had in it
+    (``original``): a tensor the module added into stays, a tensor it assigned is the graph's own
+    buffer from now on, a filler shown to it is the graph's target."""
     capture = policy().capture
     targets = []
-    for p, attr, name, was, version in before:
+    for p, attr, name, was, version in shown:
         now = read_slot(p, attr)
         kind = SlotBefore.TENSOR if isinstance(was, Tensor) else SlotBefore.EMPTY
         source = capture[(kind, _after(was, version, now))]
-        if source is None:
-            continue
         if source is GradSource.WGRAD_ADD:
             targets.append(WgradTarget(p, attr, name, source, _target_reference(was)))
-            continue
-        t = WgradTarget(p, attr, name, source, now.detach())
-        if source is GradSource.WGRAD_ASSIGN_EMPTY:
-            t.present = was
-        write_slot(p, attr, was)
-        targets.append(t)
+        elif source is not None:
+            t = WgradTarget(p, attr, name, source, now.detach())
+            if source is GradSource.WGRAD_ASSIGN_EMPTY:
+                t.present = was
+            targets.append(t)
+    for p, attr, _, value, _ in original:
+        write_slot(p, attr, value)
     return tuple(targets)
 
 

@@ -313,13 +313,17 @@ class WgradBody:
     as the core's grad-slot policy says, whatever the caller did to the slot since. A later run
     (the eager engine's replay) writes what the graph writes (:func:`_grad_slots.as_captured`)."""
 
-    __slots__ = ("_calls", "_refs", "label", "targets")
+    __slots__ = ("_calls", "_fillers", "_refs", "label", "targets")
 
-    def __init__(self, modules: Sequence[Any], label: str) -> None:
+    def __init__(self, modules: Sequence[Any], label: str, fill_empty: bool = False) -> None:
+        """``fill_empty``: no warmup ran the work before this capture; each empty ``.grad`` is shown
+        a zero tensor (made now, outside the capture), so that the capture sees what the work does
+        to an existing one."""
         self._refs = tuple(weakref.ref(m) for m in modules)
         self._calls = tuple(_weak_callable(m.backward_dw) for m in modules)
         self.label = label
         self.targets: tuple[_grad_slots.WgradTarget, ...] | None = None
+        self._fillers = _grad_slots.fillers(modules) if fill_empty else []
 
     def modules(self) -> list[Any]:
         out = []
@@ -336,8 +340,13 @@ class WgradBody:
         mods = self.modules()
         if self.targets is None:  # the capture: what the work does to each slot
             before = _grad_slots.snapshot(mods)
-            self._run(mods)
-            self.targets = _grad_slots.capture_targets(before)
+            _grad_slots.show(self._fillers)
+            shown = _grad_slots.snapshot(mods) if self._fillers else before
+            self._fillers = []
+            try:
+                self._run(mods)
+            finally:
+                self.targets = _grad_slots.capture_targets(shown, before)
         elif self.targets:  # an eager replay writes what the graph writes
             _grad_slots.as_captured(self.targets, lambda: self._run(mods), self.label)
         else:
