@@ -6,11 +6,12 @@
 // The package is deliberately thin, one file per topic: info.go (build and
 // driver information), capture.go (the raw capture engine), pass.go (pass
 // records and the capture transaction), plan.go (schedules and memory
-// plans, held by handle) and guard.go (capture order and the replay-order
-// guard). The logic lives in internal/cudagraph (driver calls and the graph
-// registry), internal/state (the pass ledger), internal/schedule,
-// internal/lifetime (the build planner) and internal/plans. What this
-// package adds is the boundary discipline gopy needs:
+// plans, held by handle), guard.go (capture order and the replay-order
+// guard) and gradslot.go (the grad-slot policy). The logic lives in
+// internal/cudagraph (driver calls and the graph registry), internal/state
+// (the pass ledger), internal/schedule, internal/lifetime (the build
+// planner), internal/plans and internal/gradslot. What this package adds is
+// the boundary discipline gopy needs:
 //
 //   - only int, int64, string, bool and error cross (gopy cannot take Python
 //     lists or dicts, and handles are plain integers);

@@ -54,6 +54,32 @@ class DelayedLinear(torch.nn.Module):
             self.weight.grad.add_(dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
 
 
+class AddOrAssignLinear(DelayedLinear):
+    """A delayed layer whose ``backward_dw()`` assigns ``weight.grad`` when it is None and adds
+    into it otherwise: the common hand-written pattern (AccumulateGrad's rule)."""
+
+    def backward_dw(self) -> None:
+        x, dy = self._stash.pop(0)
+        self.dw_calls += 1
+        with torch.no_grad():
+            dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            if self.weight.grad is None:
+                self.weight.grad = dw
+            else:
+                self.weight.grad.add_(dw)
+
+
+class AssignLinear(DelayedLinear):
+    """A delayed layer whose ``backward_dw()`` always assigns ``weight.grad`` a new tensor, as
+    TransformerEngine's Linear does without ``fuse_wgrad_accumulation``."""
+
+    def backward_dw(self) -> None:
+        x, dy = self._stash.pop(0)
+        self.dw_calls += 1
+        with torch.no_grad():
+            self.weight.grad = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
 class Block(torch.nn.Module):
     """x + tanh(lin(x)): a residual layer, input, output and grads of one signature."""
 

@@ -30,6 +30,7 @@ var (
 	Prediction = Protocol{"prediction", 1} // core -> Python: the memory prediction
 	Pools      = Protocol{"pools", 1}      // Python -> core: a training run's allocations, by pool
 	Footprint  = Protocol{"footprint", 1}  // core -> Python: what those pools reserve
+	GradSlots  = Protocol{"gradslot", 1}   // core -> Python: the grad-slot policy
 )
 
 // Header is the first line of a text of p, with fields after the version

@@ -123,7 +123,7 @@ class Build:
             progress=self.req.progress and until is Phase.SEALED,
             debug_replay_order=self.debug,
         )
-        self.hooks = HookList((_StatsHooks(self.stats), *hooks))
+        self.hooks = HookList((_StatsHooks(self.stats), _warmup.DelayedGradsRestored(), *hooks))
         try:
             self._create_passes()
             self._warmup(probe=until is Phase.SEALED)

@@ -249,7 +249,7 @@ def capture_wgrad(x: Executor, st: PassState) -> None:
     mods = list(st.wgrad_modules.values())
     if not st.has_backward or not (st.need_dw or _te.modules_needing_dw(mods)):
         return  # no backward ran (its outputs need no grad, known at capture without warmup): nothing to do
-    body = _te.WgradBody(mods, st.spec.label)
+    body = _te.WgradBody(mods, st.spec.label, fill_empty=st.warm_backwards == 0)  # no warmup ran it
     _, st.seq[2] = x.engine.capture(
         st.pass_id, int(GraphKind.WGRAD), body, pool=x.pool_of(st), uses_rng=st.rng[2], mode=x.req.capture_mode
     )

@@ -57,6 +57,7 @@ NAMES = (
     "plan_capture",
     "plan_memory",
     "simulate_pools",
+    "grad_slot_policy",
     "free_plan",
     "live_plans",
     "capture_seq",

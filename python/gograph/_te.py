@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from . import _grad_slots
+
 __all__ = [
     "HOOK_KEYS",
     "QUANTIZATION_ARGS",
@@ -305,19 +307,23 @@ class WgradBody:
     ``backward_dw`` methods are bound when the body is made (a graphed module's own
     ``backward_dw`` attribute is then replaced by the graphed callable's).
 
-    Its first run (the capture) also records the accumulation targets it wrote in place: each
-    parameter's ``.grad`` or ``.main_grad`` whose version counter the run bumped, with its address.
-    A replay writes exactly that memory, so :meth:`check_targets` refuses a replay after one of them
-    was replaced (``zero_grad(set_to_none=True)``, an assignment), which would add the weight
-    gradient into memory nobody reads and leave the new tensor without it."""
+    Its first run (the capture) also records what the work did to each ``.grad`` and
+    ``.main_grad`` of the modules' parameters (:mod:`gograph._grad_slots`): the tensors it added
+    into in place and the tensors it assigned are the graph's ``targets``, each served at replay
+    as the core's grad-slot policy says, whatever the caller did to the slot since. A later run
+    (the eager engine's replay) writes what the graph writes (:func:`_grad_slots.as_captured`)."""
 
-    __slots__ = ("_calls", "_refs", "label", "targets")
+    __slots__ = ("_calls", "_fillers", "_refs", "label", "targets")
 
-    def __init__(self, modules: Sequence[Any], label: str) -> None:
+    def __init__(self, modules: Sequence[Any], label: str, fill_empty: bool = False) -> None:
+        """``fill_empty``: no warmup ran the work before this capture; each empty ``.grad`` is shown
+        a zero tensor (made now, outside the capture), so that the capture sees what the work does
+        to an existing one."""
         self._refs = tuple(weakref.ref(m) for m in modules)
         self._calls = tuple(_weak_callable(m.backward_dw) for m in modules)
         self.label = label
-        self.targets: tuple[tuple[weakref.ref[torch.nn.Parameter], str, str, int], ...] | None = None
+        self.targets: tuple[_grad_slots.WgradTarget, ...] | None = None
+        self._fillers = _grad_slots.fillers(modules) if fill_empty else []
 
     def modules(self) -> list[Any]:
         out = []
@@ -332,7 +338,22 @@ class WgradBody:
 
     def __call__(self) -> tuple[()]:
         mods = self.modules()
-        before = _accumulators(mods) if self.targets is None else None
+        if self.targets is None:  # the capture: what the work does to each slot
+            before = _grad_slots.snapshot(mods)
+            _grad_slots.show(self._fillers)
+            shown = _grad_slots.snapshot(mods) if self._fillers else before
+            self._fillers = []
+            try:
+                self._run(mods)
+            finally:
+                self.targets = _grad_slots.capture_targets(shown, before)
+        elif self.targets:  # an eager replay writes what the graph writes
+            _grad_slots.as_captured(self.targets, lambda: self._run(mods), self.label)
+        else:
+            self._run(mods)
+        return ()
+
+    def _run(self, mods: Sequence[Any]) -> None:
         for m, call in zip(mods, self._calls):
             if m.need_backward_dw():
                 fn = call()
@@ -341,39 +362,6 @@ class WgradBody:
                         f"gograph: a submodule of {self.label} with a delayed weight gradient no longer exists"
                     )
                 fn()
-        if before is not None:
-            self.targets = tuple(
-                (weakref.ref(p), attr, name, t.data_ptr()) for p, attr, name, t, v in before if t._version != v
-            )
-        return ()
-
-    def check_targets(self) -> None:
-        """Raises RuntimeError when a tensor the graph accumulates into is no longer the
-        parameter's ``.grad`` / ``.main_grad`` (the replay would write the old memory)."""
-        for ref, attr, name, ptr in self.targets or ():
-            p = ref()
-            now = getattr(p, attr, None) if p is not None else None
-            if p is not None and (not isinstance(now, torch.Tensor) or now.data_ptr() != ptr):
-                raise RuntimeError(
-                    f"gograph: backward_dw() of {self.label}: {name}.{attr} is not the tensor its weight-gradient "
-                    f"graph accumulates into (it is {'None' if now is None else 'another tensor'} now: replaced "
-                    "after graphing, e.g. by zero_grad(set_to_none=True)); the replay would add the weight gradient "
-                    f"into the old memory and {name}.{attr} would not get it. Keep it in place: zero it with "
-                    f"{attr}.zero_() (zero_grad(set_to_none=False)), as Megatron-LM keeps main_grad"
-                )
-
-
-def _accumulators(mods: Sequence[Any]) -> list[tuple[torch.nn.Parameter, str, str, torch.Tensor, int]]:
-    """(parameter, attribute, name, tensor, version) of every ``.grad`` and ``.main_grad`` of the
-    modules' parameters: what a delayed weight gradient may accumulate into."""
-    out = []
-    for m in mods:
-        for name, p in m.named_parameters():
-            for attr in ("grad", "main_grad"):
-                t = getattr(p, attr, None)
-                if isinstance(t, torch.Tensor):
-                    out.append((p, attr, name, t, t._version))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,16 +19,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _plan, _te
+from . import _grad_slots, _plan, _te
 from ._bodies import autograd_grad
-from ._exec import Executor
+from ._exec import Executor, Hooks, ProgramKind
 from ._kinds import StepKind, WarmOp
 from ._reuse import tensor_signature
 from ._shared_inputs import version_of
 from ._state import PassState
 from ._wire import Op
 
-__all__ = ["HANDLERS", "check_outputs", "decide_wgrad_without_warmup", "module_buffers_restored", "warm_forward"]
+__all__ = [
+    "HANDLERS",
+    "DelayedGradsRestored",
+    "check_outputs",
+    "decide_wgrad_without_warmup",
+    "module_buffers_restored",
+    "warm_forward",
+]
 
 
 def check_outputs(st: PassState, outputs: Sequence[Tensor], device: torch.device | None) -> None:
@@ -250,3 +257,27 @@ def module_buffers_restored(callables: Sequence[Any]) -> Iterator[None]:
         with torch.no_grad():
             for b, v in saved:
                 b.copy_(v)
+
+
+class DelayedGradsRestored(Hooks):
+    """Build hooks that leave ``.grad`` and ``.main_grad`` of the delayed weight-gradient modules'
+    parameters as the build found them. Warmup runs their ``backward_dw()`` (on zero incoming
+    grads), which may create a ``.grad`` where there was none or replace it, and a capture may
+    too; eagerly nothing ran yet. Each slot is read when the warmup program starts and gets its
+    tensor (or None) back when the build ends, failed or not: the graphs keep what they captured
+    (:mod:`gograph._grad_slots`), and the first ``backward_dw()`` finds the caller's state."""
+
+    def __init__(self) -> None:
+        self.saved: _grad_slots.Snapshot = []
+
+    @contextlib.contextmanager
+    def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:
+        if kind is ProgramKind.WARMUP and not self.saved:
+            mods = [m for c in build.req.callables for m in _te.wgrad_candidates(c)]
+            self.saved = _grad_slots.snapshot(mods)
+        yield
+
+    def finished(self, build: Executor, failed: bool) -> None:
+        for p, attr, _, value, _ in self.saved:
+            _grad_slots.write_slot(p, attr, value)
+        self.saved = []

@@ -2,13 +2,15 @@
 
 Python sends :class:`Facts` (what warmup learned, to plan the captures) and :class:`Trace`
 (what a warmup allocated, to predict memory); the core returns a :class:`WarmupProgram`, a
-:class:`CaptureProgram` and a :class:`Prediction`. Every text starts with a header line
-``NAME vN`` (Go's ``internal/wire``): a reader refuses another name or version, saying which it
-got, so a Python package and a core built from different sources fail at the first plan instead
-of misreading each other. The lines are docs/CORE_API.md's; the Go record types are
-``lifetime.Facts``, ``lifetime.Program``, ``memplan.Trace`` and ``memplan.Result``.
+:class:`CaptureProgram` and a :class:`Prediction`, and once per process the
+:class:`GradSlotPolicy`. Every text starts with a header line ``NAME vN`` (Go's
+``internal/wire``): a reader refuses another name or version, saying which it got, so a Python
+package and a core built from different sources fail at the first plan instead of misreading
+each other. The lines are docs/CORE_API.md's; the Go record types are
+``lifetime.Facts``, ``lifetime.Program``, ``memplan.Trace``, ``memplan.Result`` and
+``gradslot.Encode``'s table.
 
-Nothing here decides: these are the boundary's data, decoded once per build.
+Nothing here decides: these are the boundary's data, decoded once per build (the policy once).
 """
 
 from __future__ import annotations
@@ -17,11 +19,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._kinds import BufferSource, CaptureOp, GradPolicy, ReleaseRole, WarmOp
+from ._kinds import (
+    BufferSource,
+    CaptureOp,
+    GradPolicy,
+    GradSource,
+    Learned,
+    ReleaseRole,
+    SlotAfter,
+    SlotBefore,
+    SlotDeliver,
+    SlotPrepare,
+    SlotState,
+    WarmOp,
+)
 
 __all__ = [
     "CaptureProgram",
+    "Decision",
     "Facts",
+    "GradSlotPolicy",
     "Op",
     "Prediction",
     "ProtocolError",
@@ -32,6 +49,7 @@ __all__ = [
 
 #: The versions this package speaks (the core's ``internal/wire``).
 FACTS, TRACE, WARMUP, PROGRAM, PREDICTION = ("facts", 1), ("trace", 1), ("warmup", 1), ("program", 1), ("prediction", 1)
+GRADSLOT = ("gradslot", 1)
 
 
 class ProtocolError(RuntimeError):
@@ -237,3 +255,44 @@ class Prediction:
             places=places,
             ops=tuple(ops),
         )
+
+
+class Decision(NamedTuple):
+    """The grad-slot policy's answer for one slot: what happens to the graph's memory before it
+    replays, what reaches the slot after, whether the hand-out is watched until a replay that may
+    overwrite a lent buffer, and what the slot has learnt."""
+
+    prepare: SlotPrepare
+    deliver: SlotDeliver
+    watch: bool
+    learned: Learned
+
+
+_LEARNED = {m.letter: m for m in Learned}
+
+
+@dataclass(frozen=True)
+class GradSlotPolicy:
+    """The core's grad-slot policy (``internal/gradslot``), every row of it: ``handout`` by
+    (source, slot state, whether something besides gograph holds the graph's memory, learned);
+    ``sweep`` by (lent, present, learned) -> (copy out, learned); ``capture`` by (before, after)
+    -> the source the slot is to its weight-gradient graph (None: no target)."""
+
+    handout: dict[tuple[GradSource, SlotState, bool, Learned], Decision]
+    sweep: dict[tuple[bool, bool, Learned], tuple[bool, Learned]]
+    capture: dict[tuple[SlotBefore, SlotAfter], GradSource | None]
+
+    @classmethod
+    def decode(cls, text: str) -> GradSlotPolicy:
+        _, lines = _body(text, GRADSLOT)
+        src, st, prep, dl = _members(GradSource), _members(SlotState), _members(SlotPrepare), _members(SlotDeliver)
+        handout, sweep, capture = {}, {}, {}
+        for f in lines:
+            if f[0] == "handout":
+                key = (src[f[1]], st[f[2]], f[3] == "1", _LEARNED[f[4]])
+                handout[key] = Decision(prep[f[5]], dl[f[6]], f[7] == "1", _LEARNED[f[8]])
+            elif f[0] == "sweep":
+                sweep[(f[1] == "1", f[2] == "1", _LEARNED[f[3]])] = (f[4] == "1", _LEARNED[f[5]])
+            elif f[0] == "capture":
+                capture[(SlotBefore(f[1]), SlotAfter(f[2]))] = None if f[3] == "-" else src[f[3]]
+        return cls(handout, sweep, capture)

@@ -33,11 +33,11 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import _core, _torch
+from . import _core, _grad_slots, _torch
 from ._bodies import RUNNING, flat_tuple_spec
 from ._grad_pack import owned_copies
 from ._handouts import WATCH
-from ._kinds import GradPolicy
+from ._kinds import GradPolicy, Learned, SlotDeliver
 from ._marks import GraphedMark
 from ._shared_inputs import SharedInput
 from ._sharers import Sharers
@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ChainedInputError", "GraphedCallable", "LentGrads", "PassResult", "Shared", "StaticInputMismatchError"]
 
 log = logging.getLogger("gograph")
+_ADD, _LEND = SlotDeliver.ADD, SlotDeliver.LEND
 
 
 class StaticInputMismatchError(ValueError, RuntimeError):
@@ -111,8 +112,6 @@ class Shared:
 # ---------------------------------------------------------------------------------------------
 # Lent parameter grads
 # ---------------------------------------------------------------------------------------------
-#: What a lendable slot has learnt of how the caller treats ``.grad`` (see :class:`LentGrads`).
-_UNKNOWN, _DROPPED, _KEPT = 0, 1, 2
 
 
 class _Lent:
@@ -143,7 +142,7 @@ class _GradSlot:
         self.storage: torch.UntypedStorage | None = static.untyped_storage() if policy is GradPolicy.LEND else None
         self.baseline = _torch.storage_use_count(self.storage) if self.storage is not None else 0
         self.data_ptr = static.data_ptr()
-        self.learned = _UNKNOWN
+        self.learned = Learned.UNKNOWN
 
 
 class LentGrads:
@@ -188,23 +187,26 @@ class LentGrads:
     def sweep(self, lent_from: int) -> None:
         """Before replaying a graph whose replay may overwrite the grads lent by backwards captured
         at sequence ``lent_from`` or later (the core's answer): copy out what it could overwrite,
-        and learn from the watched copies."""
+        and learn from the watched copies (the core's grad-slot policy, ``sweep`` rows)."""
         if self.newest < lent_from:
             return  # the core says this graph overwrites none of what is lent now
+        rule = _grad_slots.sweep_table()
         with self.lock:
             keep = []
             for e in self.entries:
                 if e.seq < lent_from:
                     keep.append(e)  # the core says this graph cannot overwrite it
-                elif not e.lent:
-                    kept = e.slot.param.grad is not None
-                    e.slot.learned = _KEPT if kept or e.slot.learned == _KEPT else _DROPPED
-                elif _copy_out(e):
-                    e.slot.learned = _KEPT
+                    continue
+                slot = e.slot
+                # a lent buffer: does anything but gograph hold it; a watched copy: is .grad still there
+                present = _held(slot) if e.lent else slot.param.grad is not None
+                copy_out, slot.learned = rule[(e.lent, present, slot.learned)]
+                if copy_out:
+                    _copy_out(e)
                     log.info(
                         "the lent gradient buffer %s was still .grad when a replay would overwrite it "
                         "(the caller now keeps its grads): moved to memory of its own, owned from now on",
-                        e.slot.label,
+                        slot.label,
                     )
             self.entries = keep
             self.newest = max((e.seq for e in keep), default=0)
@@ -218,17 +220,21 @@ class LentGrads:
             self.entries = [e for e in self.entries if e.pass_id != pass_id]
             self.newest = max((e.seq for e in self.entries), default=0)
             for e in mine:
-                if e.lent:
+                if e.lent and _held(e.slot):
                     _copy_out(e, at_reset=True)
 
 
-def _copy_out(e: _Lent, at_reset: bool = False) -> bool:
-    """Copies a lent buffer out of every holder gograph can redirect; whether anything held it."""
+def _held(slot: _GradSlot) -> bool:
+    """Whether anything but gograph holds a lendable slot's static buffer."""
+    assert slot.storage is not None  # lent slots have one
+    return _torch.storage_use_count(slot.storage) > slot.baseline
+
+
+def _copy_out(e: _Lent, at_reset: bool = False) -> None:
+    """Copies a lent buffer that something holds out of every holder gograph can redirect."""
     slot = e.slot
     storage = slot.storage
     assert storage is not None  # lent slots have one
-    if _torch.storage_use_count(storage) <= slot.baseline:
-        return False  # nothing but gograph holds it
     for t in (slot.param.grad, e.handed()):
         if t is not None and t.data_ptr() == slot.data_ptr and t.untyped_storage().data_ptr() == storage.data_ptr():
             with torch.no_grad():
@@ -241,14 +247,13 @@ def _copy_out(e: _Lent, at_reset: bool = False) -> bool:
                 "backward's values",
                 slot.label,
             )
-            return True
+            return
         raise RuntimeError(
             f"gograph: a tensor that shares the gradient buffer {slot.label} lent to .grad by an earlier backward is "
             "still alive (not that .grad itself, which was copied out), and this replay would overwrite it: "
             "graphed backwards of the default schedule lend their static parameter-gradient buffers to .grad. "
             "Clone a gradient you keep past the next forward (g = p.grad.clone()) instead of a view of it"
         )
-    return True
 
 
 _LENT: dict[str, LentGrads] = {}
@@ -337,6 +342,8 @@ class GraphedCallable(GraphedMark):
         self.original_forward = spec.forward_fn if spec.module is not None else None
         self.original_forward_is_method = spec.forward_is_method
         self._wgrad = result.wgrad
+        # backward_dw()'s check of the slots its graph writes, bound once (the targets are fixed at capture)
+        self._wgrad_pending = _grad_slots.pending_check(result.wgrad.targets if result.wgrad is not None else None)
         self._sharers = result.sharers
         self._released = False
         # The finalizer must not reference self: it gets the engine, the pass id, the pool.
@@ -382,12 +389,13 @@ class GraphedCallable(GraphedMark):
             for k, p in enumerate(result.params)
             if n + k in result.grad_policy and self.static_grad_inputs[n + k] is not None
         )
-        start = {None: _UNKNOWN, True: _DROPPED, False: _KEPT}[shared.lend_param_grads]
+        start = {None: Learned.UNKNOWN, True: Learned.DROPPED, False: Learned.KEPT}[shared.lend_param_grads]
         for s in self._param_grad_slots:
             s.learned = start
         self.lent_param_grads = sum(1 for s in self._param_grad_slots if s.policy is GradPolicy.LEND)
         self._lent = shared.lent if self.lent_param_grads else None
         self._bwd_seq = result.seq[1]
+        self._handout = _grad_slots.backward_table()  # the core's rule, by [lendable][.grad exists][learned]
         self._fwd_lent_from, self._bwd_lent_from, self._wgrad_lent_from = result.lent_from
 
     # -- introspection ------------------------------------------------------------------------
@@ -652,25 +660,28 @@ class GraphedCallable(GraphedMark):
         that nobody can redirect) the buffer itself; the lent-grad registry watches both until
         the next replay that could overwrite the buffer. When ``.grad`` exists AccumulateGrad
         only adds into it in place, so nothing is cloned (and the slot learns the caller keeps
-        its grads)."""
+        its grads). Which of these each slot gets is the core's grad-slot policy (``handout``
+        rows of the backward sources, read by index: :func:`gograph._grad_slots.backward_table`)."""
         handed: list[tuple[_GradSlot, Tensor, bool]] = []
         copied: list[int] = []
         watched: list[_GradSlot] = []
         can_lend = lend and self._lent is not None and not self._released
+        handout = self._handout
         for slot in self._param_grad_slots:
             i = slot.index
             g = out[i]
-            lendable = can_lend and slot.policy is GradPolicy.LEND
             if g is None:
                 continue
-            if slot.param.grad is not None:  # accumulated into: the caller keeps its grads
-                slot.learned = _KEPT
+            lendable = can_lend and slot.policy is GradPolicy.LEND
+            d = handout[lendable][slot.param.grad is not None][slot.learned]
+            slot.learned = d.learned
+            if d.deliver is _ADD:  # .grad exists: AccumulateGrad adds the buffer into it
                 continue
-            if lendable and slot.learned == _DROPPED:
+            if d.deliver is _LEND:
                 handed.append((slot, g, True))
                 continue
             copied.append(i)
-            if lendable and slot.learned == _UNKNOWN:
+            if d.watch:
                 watched.append(slot)
         if copied:  # laid out for the default pool (_grad_pack): natural sizes where the slots lend
             natural = self._lent is not None
@@ -684,21 +695,31 @@ class GraphedCallable(GraphedMark):
         """Replays this pass's delayed weight-gradient graph (TransformerEngine's ``backward_dw``):
         the ``backward_dw()`` work of the submodules that ran in its forward and reported
         ``need_backward_dw()``. Call it after the backward of the same forward, before that pass's
-        next backward. A no-op when no submodule needed one. Then, as TransformerEngine does,
-        each such submodule's ``_trigger_wgrad_accumulation_and_reduce_hooks()`` runs if it has
-        one. After :meth:`reset` it raises RuntimeError; it never launches a destroyed graph."""
+        next backward. A no-op when no submodule needed one. Each ``.grad`` / ``.main_grad`` the
+        work writes ends as eager's ``backward_dw()`` leaves it, whatever it holds now (the core's
+        grad-slot policy, :mod:`gograph._grad_slots`): the tensor the graph adds into costs the
+        replay alone; None gets the gradient in a tensor the caller owns; another tensor gets it
+        added in (or, where the module assigned a new tensor at capture, is replaced by a copy).
+        A slot the gradient cannot be added into (another shape or device) raises RuntimeError
+        before anything runs. Then, as TransformerEngine does, each such submodule's
+        ``_trigger_wgrad_accumulation_and_reduce_hooks()`` runs if it has one. After
+        :meth:`reset` it raises RuntimeError; it never launches a destroyed graph."""
         wgrad = self._wgrad
         if self._released:
             self._raise_reset(WGRAD, "; backward_dw() has no weight-gradient graph to replay")
         if wgrad is None:
             return
-        wgrad.check_targets()  # the graph adds into the .grad / .main_grad it captured: still those?
-        if self._check_replay_order:  # debug guard: refuse before anything is launched
-            _core.check_replay_order(self.pass_id, WGRAD)
-        lent = self.shared.lent
-        if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
-            lent.sweep(self._wgrad_lent_from)
-        self.engine.replay(self.pass_id, WGRAD)
+        pending = self._wgrad_pending
+        todo = pending() if pending is not None else None  # a .grad / .main_grad dropped or replaced since
+        if todo is not None:
+            self._replay_wgrad_serving(todo, wgrad.label)
+        else:  # every slot holds the tensor the graph adds into: the replay is all
+            if self._check_replay_order:  # debug guard: refuse before anything is launched
+                _core.check_replay_order(self.pass_id, WGRAD)
+            lent = self.shared.lent
+            if lent is not None and lent.entries:  # the graph may overwrite a .grad lent by a backward
+                lent.sweep(self._wgrad_lent_from)
+            self.engine.replay(self.pass_id, WGRAD)
         if self._sharers is not None:
             self._sharers.wgrad_ran(self.index)
         if self._check_replay_order and WATCH.watches(self.pass_id, WGRAD):
@@ -707,6 +728,20 @@ class GraphedCallable(GraphedMark):
             trigger = getattr(m, "_trigger_wgrad_accumulation_and_reduce_hooks", None)
             if trigger is not None and m.need_backward_dw():
                 trigger()
+
+    def _replay_wgrad_serving(self, todo: list[_grad_slots.WgradTarget], label: str) -> None:
+        """The weight-gradient replay when slots it writes were dropped or replaced since the
+        capture: the policy decides for each first (a refusal raises with nothing launched), the
+        graph's memory is prepared after the previous replay (which may be on another stream),
+        and each slot gets its gradient once the graph ran."""
+        steps = _grad_slots.plan(todo, label)
+        if self._check_replay_order:
+            _core.check_replay_order(self.pass_id, WGRAD)
+        lent = self.shared.lent
+        if lent is not None and lent.entries:
+            lent.sweep(self._wgrad_lent_from)
+        self.engine.order(self.pass_id, WGRAD)
+        _grad_slots.execute(steps, lambda: self.engine.replay(self.pass_id, WGRAD))
 
     # -- errors -------------------------------------------------------------------------------
     def _raise_nested_capture(self) -> None:
@@ -805,6 +840,7 @@ class GraphedCallable(GraphedMark):
         self.static_input_surface = self.static_outputs = self.module_params = ()
         self.static_grad_outputs = self.static_grad_inputs = ()
         self._param_grad_slots, self._input_sig, self._wgrad, self._shared_guards = (), (), None, ()
+        self._wgrad_pending = None  # the targets it held go with the graph
 
 
 def _no_backward_reason(spec: PassSpec) -> str:

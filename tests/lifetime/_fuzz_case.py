@@ -18,7 +18,7 @@ import torch
 from _fuzz_config import Case, inference_build
 from _fuzz_engine import ScribblingEagerEngine
 from _fuzz_live import TRACKER, InjectedFault
-from _fuzz_models import FEATURES, make_callable, make_layer
+from _fuzz_models import DELAYED_KINDS, FEATURES, GRAD_WRITING_KINDS, make_callable, make_layer
 from _fuzz_oracles import leaves
 from _fuzz_pipeline import PipelineProgram, pipeline_order
 from _fuzz_program import Data, DefaultProgram, Plan
@@ -80,6 +80,14 @@ class _Run:
     def callable_of_pass(self, index: int) -> int:
         """The callable a pass runs (errors name passes)."""
         return index
+
+    def grad_slots(self, kinds: list[str]) -> dict[str, Any]:
+        """The worlds' arguments for the ``weight.grad`` that ``backward_dw()`` writes: the
+        modules that write it, the state the program puts it in."""
+        return {
+            "grad_state": self.case.grad_state,
+            "dw_modules": frozenset(k for k, kind in enumerate(kinds) if kind in GRAD_WRITING_KINDS),
+        }
 
     def options(self) -> dict[str, Any]:
         c = self.case
@@ -161,6 +169,9 @@ class _Run:
             self.violations.append(mismatch)
 
     def _note(self, graphed: list[Any]) -> None:
+        kinds = {layer.kind for layer in self.case.layers} & set(GRAD_WRITING_KINDS)
+        for kind in sorted(kinds):
+            self.events.append(f"backward_dw() writes weight.grad ({kind}), grad state {self.case.grad_state}")
         if any(g.lent_param_grads for g in graphed):
             self.events.append("lent parameter grads")
         if any(g.chained_inputs for g in graphed):
@@ -281,8 +292,11 @@ class _DefaultRun(_Run):
         fns = [t if t is not None else f for t, f in zip(self.twins, self.callables)]
         self.plan = Plan(self.case, self.data, self.sample_grad, [g.chained_inputs for g in graphed])
         self.plan.schedule()
-        eager = World(fns, self.twins, None, self.case.set_to_none)
-        return eager, World(list(result), self.modules, graphed, self.case.set_to_none, self.case.debug_replay_order)
+        slots = self.grad_slots([layer.kind for layer in self.case.layers])
+        eager = World(fns, self.twins, None, self.case.set_to_none, **slots)
+        return eager, World(
+            list(result), self.modules, graphed, self.case.set_to_none, self.case.debug_replay_order, **slots
+        )
 
     def program(self, world: World, result: Any) -> Callable[[], None]:
         return DefaultProgram(world, self.plan, self.case.no_grad_build).run
@@ -305,7 +319,9 @@ class _PipelineRun(_Run):
         self.callable_of = [
             prefix[ch] + li for ch, n in enumerate(p.layers) for _ in range(p.microbatches) for li in range(n)
         ]
-        delayed = {ch for ch, n in enumerate(p.layers) for li in range(n) if self.kinds[prefix[ch] + li] == "delayed"}
+        delayed = {
+            ch for ch, n in enumerate(p.layers) for li in range(n) if self.kinds[prefix[ch] + li] in DELAYED_KINDS
+        }
         self.order = pipeline_order(c, delayed)
 
     def callable_of_pass(self, index: int) -> int:
@@ -344,8 +360,11 @@ class _PipelineRun(_Run):
 
     def worlds(self, result: Any, graphed: list[Any]) -> tuple[World, World]:
         fns = [t if t is not None else f for t, f in zip(self.twins, self.callables)]
-        eager = World([fns[i] for i in self.callable_of], self.twins, None, self.case.set_to_none)
-        return eager, World(graphed, self.modules, graphed, self.case.set_to_none, self.case.debug_replay_order)
+        slots = self.grad_slots(self.kinds)
+        eager = World([fns[i] for i in self.callable_of], self.twins, None, self.case.set_to_none, **slots)
+        return eager, World(
+            graphed, self.modules, graphed, self.case.set_to_none, self.case.debug_replay_order, **slots
+        )
 
     def program(self, world: World, result: Any) -> Callable[[], None]:
         return PipelineProgram(world, self.case, self.order, self.data, self.kinds).run

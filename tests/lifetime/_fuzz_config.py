@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from _fuzz_models import KINDS, MODES, PIPELINE_KINDS
+from _fuzz_models import DELAYED_KINDS, GRAD_WRITING_KINDS, KINDS, MODES, PIPELINE_KINDS
 from hypothesis import strategies as st
 
-__all__ = ["Case", "Layer", "Pipeline", "cases", "describe", "inference_build"]
+__all__ = ["GRAD_STATES", "Case", "Layer", "Pipeline", "cases", "describe", "inference_build"]
 
 STEPS = 3
+#: What the program does to the ``weight.grad`` that ``backward_dw()`` writes (the ``dw_accum`` and
+#: ``dw_assign`` kinds), besides ``zero_grad(set_to_none)``: nothing; zeros assigned after graphing
+#: (pre-initialised); a new tensor with its values assigned after every step (replaced: a checkpoint
+#: load, a rebuilt bucket); every ``.grad`` it saw held for the rest of training (a reference kept
+#: to a dropped or replaced one, which must keep its values).
+GRAD_STATES = ("as_is", "preinit", "replace", "hold")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Case:
     fault: tuple[int, str, int] | None = None  # (callable, "forward" / "backward", n): raises in the build
     autograd_grad: bool = False  # torch.autograd.grad of inputs and parameters instead of loss.backward()
     share: bool = False  # share_microbatch_graphs (pipeline cases)
+    grad_state: str = "as_is"  # GRAD_STATES: what the program does to the weight.grad backward_dw() writes
     seed: int = 0
 
 
@@ -134,6 +141,7 @@ def _default_case(draw: st.DrawFn) -> Case:
         feed_static=draw(st.booleans()),
         autograd_grad=draw(st.sampled_from((False, False, True))),
         fault=draw(_fault(n)),
+        grad_state=draw(_grad_state()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -181,8 +189,14 @@ def _pipeline_case(draw: st.DrawFn) -> Case:
         shared_samples=draw(st.booleans()),
         fault=draw(_fault(n)),
         share=draw(st.booleans()),
+        grad_state=draw(_grad_state()),
         seed=draw(st.integers(0, 2**16)),
     )
+
+
+def _grad_state() -> st.SearchStrategy[str]:
+    """Mostly a state of its own (the draw matters only with a ``dw_accum`` / ``dw_assign`` layer)."""
+    return st.sampled_from(("as_is", *GRAD_STATES))
 
 
 def _fault(n: int) -> st.SearchStrategy[tuple[int, str, int] | None]:
@@ -237,12 +251,13 @@ def _program_text(case: Case) -> list[str]:
             + ("; inference: modules in eval(), forward entries only" if inference_build(case) else "")
             + ("; share_microbatch_graphs" if case.share else "")
             + ("; one input sample for every pass" if inference_build(case) and case.shared_samples else "")
+            + _grad_state_text(case)
         ]
     grads = "torch.autograd.grad (results kept, summed into .grad)" if case.autograd_grad else "loss.backward()"
-    dw = f"backward_dw() {_DW[case.backward_dw]}, " if any(layer.kind == "delayed" for layer in case.layers) else ""
+    dw = f"backward_dw() {_DW[case.backward_dw]}, " if any(layer.kind in DELAYED_KINDS for layer in case.layers) else ""
     lines = [
         f"program: {STEPS} steps x {case.micro} micro-batch(es), {grads}, {dw}SGD step, "
-        f"zero_grad(set_to_none={case.set_to_none}); data seed {case.seed}"
+        f"zero_grad(set_to_none={case.set_to_none}){_grad_state_text(case)}; data seed {case.seed}"
     ]
     lines += [f"  reset callable {i} before step {s} micro-batch {m}" for s, m, i in case.resets]
     if case.evaluate:
@@ -253,3 +268,16 @@ def _program_text(case: Case) -> list[str]:
     if case.feed_static:
         lines.append("  callable 0's data copied into its static input, which is passed itself")
     return lines
+
+
+_GRAD_STATE_TEXT = {
+    "preinit": "zeros assigned after graphing",
+    "replace": "replaced by a new tensor with its values after every step",
+    "hold": "every one seen held for the rest of training",
+}
+
+
+def _grad_state_text(case: Case) -> str:
+    if case.grad_state == "as_is" or not any(layer.kind in GRAD_WRITING_KINDS for layer in case.layers):
+        return ""
+    return f"; the weight.grad backward_dw() writes: {_GRAD_STATE_TEXT[case.grad_state]}"

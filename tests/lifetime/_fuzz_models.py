@@ -17,6 +17,9 @@ Kinds (``KINDS``):
 * ``delayed``: a layer with a delayed weight gradient (TransformerEngine's
   ``need_backward_dw()`` / ``backward_dw()`` protocol), its weight grad accumulated into a
   persistent ``main_grad`` as Megatron-LM's layers do;
+* ``dw_accum``, ``dw_assign``: the same layer whose ``backward_dw()`` writes ``weight.grad``:
+  assigning it when it is None and adding into it otherwise (the common hand-written pattern), or
+  always assigning a new tensor (TransformerEngine's Linear without ``fuse_wgrad_accumulation``);
 * ``loss``: the loss, a 0-dim output (only as the last callable).
 
 ``mode`` (``MODES``) is ``train``, ``eval``, ``nograd`` (the forward body runs under
@@ -35,7 +38,9 @@ from _fuzz_live import TRACKER
 from torch import Tensor
 
 __all__ = [
+    "DELAYED_KINDS",
     "FEATURES",
+    "GRAD_WRITING_KINDS",
     "KINDS",
     "MODES",
     "PIPELINE_KINDS",
@@ -48,9 +53,26 @@ __all__ = [
 FEATURES = 8
 ROWS = 4
 MODES = ("train", "eval", "nograd", "frozen")
-KINDS = ("linear", "mlp", "dropout", "fn", "multi", "nested", "kwargs", "unused", "delayed", "loss")
+KINDS = (
+    "linear",
+    "mlp",
+    "dropout",
+    "fn",
+    "multi",
+    "nested",
+    "kwargs",
+    "unused",
+    "delayed",
+    "dw_accum",
+    "dw_assign",
+    "loss",
+)
 #: Layers of a pipeline (``_order``): one tensor in, one tensor of the same signature out.
-PIPELINE_KINDS = ("block", "dropblock", "kwblock", "delayed", "fn")
+PIPELINE_KINDS = ("block", "dropblock", "kwblock", "delayed", "dw_accum", "dw_assign", "fn")
+#: The kinds with a delayed weight gradient, and those of them whose ``backward_dw()`` writes
+#: ``weight.grad`` (the others' writes ``main_grad``).
+DELAYED_KINDS = ("delayed", "dw_accum", "dw_assign")
+GRAD_WRITING_KINDS = ("dw_accum", "dw_assign")
 
 
 def _linear(seed: int, bias: bool = True) -> torch.nn.Linear:
@@ -229,6 +251,39 @@ class DelayedBlock(Delayed):
             return self.report(x + torch.tanh(self.delayed(x)))
 
 
+def _weight_grad(self: Delayed) -> Tensor:
+    x, dy = self.stash.pop(0)
+    return dy.reshape(-1, FEATURES).t() @ x.reshape(-1, FEATURES)
+
+
+class DwAccum(Delayed):
+    """``backward_dw()`` assigns ``weight.grad`` when it is None and adds into it otherwise."""
+
+    def backward_dw(self) -> None:
+        with torch.no_grad():
+            dw = _weight_grad(self)
+            if self.weight.grad is None:
+                self.weight.grad = dw
+            else:
+                self.weight.grad.add_(dw)
+
+
+class DwAssign(Delayed):
+    """``backward_dw()`` always assigns ``weight.grad`` a new tensor."""
+
+    def backward_dw(self) -> None:
+        with torch.no_grad():
+            self.weight.grad = _weight_grad(self)
+
+
+class DwAccumBlock(DwAccum, DelayedBlock):
+    """The residual pipeline layer of ``dw_accum``."""
+
+
+class DwAssignBlock(DwAssign, DelayedBlock):
+    """The residual pipeline layer of ``dw_assign``."""
+
+
 class Block(_Fuzzed):
     """A residual pipeline layer ``x + drop(tanh(lin(x * scale)))``: ``scale`` a keyword argument
     for ``kwblock``, dropout for ``dropblock``."""
@@ -262,7 +317,14 @@ _MODULES: dict[str, type[_Fuzzed]] = {
     "kwargs": Kwargs,
     "unused": Unused,
     "delayed": Delayed,
+    "dw_accum": DwAccum,
+    "dw_assign": DwAssign,
     "loss": Loss,
+}
+_DELAYED_BLOCKS: dict[str, type[Delayed]] = {
+    "delayed": DelayedBlock,
+    "dw_accum": DwAccumBlock,
+    "dw_assign": DwAssignBlock,
 }
 
 
@@ -282,6 +344,6 @@ def make_layer(kind: str, owner: int, seed: int) -> Any:
     """A pipeline layer of ``kind`` (``PIPELINE_KINDS``), in training mode."""
     if kind == "fn":
         return _function(owner, False)
-    if kind == "delayed":
-        return DelayedBlock(owner, seed)
+    if kind in _DELAYED_BLOCKS:
+        return _DELAYED_BLOCKS[kind](owner, seed)
     return Block(owner, seed, dropout=0.5 if kind == "dropblock" else 0.0)

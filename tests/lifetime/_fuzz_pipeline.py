@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from _fuzz_config import STEPS, Case, inference_build
+from _fuzz_models import DELAYED_KINDS
 from _fuzz_program import Data
 from _fuzz_world import World
 from torch import Tensor
@@ -122,13 +123,15 @@ class PipelineProgram:
             self.world.trace.add(f"{where}: {name}.grad", p.grad)
 
     def _wgrad(self, s: int, c: int, m: int) -> None:
+        slots = self.world.slot_refs()
         for layer in reversed(range(self.layers[c])):
             i = self.prefix[c] + layer
             if self.world.is_graphed:
                 self.world.backward_dw(self.pass_of(c, m, layer))  # a no-op for a layer without one
-            elif self.kinds[i] == "delayed":
+            elif self.kinds[i] in DELAYED_KINDS:
                 self.world.backward_dw(i)
             self.world.checkpoint(f"step {s} chunk {c} micro-batch {m} layer {layer}, after backward_dw()")
+        self.world.trace_slots(slots, f"step {s} chunk {c} micro-batch {m} weight gradients")
 
     def _after_resets(self) -> None:
         p = self.case.pipeline

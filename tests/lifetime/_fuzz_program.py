@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from _fuzz_config import STEPS, Case
-from _fuzz_models import FEATURES, ROWS
+from _fuzz_models import DELAYED_KINDS, FEATURES, ROWS
 from _fuzz_oracles import leaves
 from _fuzz_world import World
 from torch import Tensor
@@ -171,6 +171,7 @@ class DefaultProgram:
         ]
         loss = torch.stack(terms).sum() if terms else None
         self.world.trace.add(f"{where} loss", loss)
+        slots = self.world.slot_refs()  # the weight.grad backward_dw() writes, before it runs
         if loss is not None and loss.requires_grad:
             handles = self._dw_hooks(s, m, outs)
             self._differentiate(loss, fresh, where)
@@ -181,6 +182,7 @@ class DefaultProgram:
             self.world.trace.add(f"{name} .grad", t.grad)
             t.grad = None  # a static input passed itself is the same leaf at every call
         self._backward_dw(s, m, where)
+        self.world.trace_slots(slots, where)
         for name, p in self.world.params:
             self.world.trace.add(f"{where}: {name}.grad", p.grad)
 
@@ -229,14 +231,14 @@ class DefaultProgram:
     def _backward_dw(self, s: int, m: int, where: str) -> None:
         if self.plan.case.backward_dw == "none":
             for i in self.alive:  # nothing will consume what the delayed layers kept
-                if self.plan.case.layers[i].kind == "delayed":
+                if self.plan.case.layers[i].kind in DELAYED_KINDS:
                     self.world.modules[i].stash.clear()  # type: ignore[union-attr]
             return
         if not self.world.is_graphed:  # eagerly (the timing changes nothing): the layers whose backward ran
             self.plan.dw_calls[(s, m)] = [
                 i
                 for i in sorted(self.alive, reverse=True)
-                if self.plan.case.layers[i].kind == "delayed" and self.world.modules[i].stash  # type: ignore[union-attr]
+                if self.plan.case.layers[i].kind in DELAYED_KINDS and self.world.modules[i].stash  # type: ignore[union-attr]
             ]
         elif self.plan.case.backward_dw == "during":
             return  # replayed inside loss.backward()

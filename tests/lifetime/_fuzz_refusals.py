@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from _fuzz_config import Case, inference_build
+from _fuzz_models import DELAYED_KINDS
 
 import gograph
 
@@ -55,7 +56,7 @@ def expected_refusals(case: Case, device: str = "cpu") -> tuple[list[Refusal], l
         return must, may
     if case.num_warmup_iters == 0:
         must.append(Refusal(gograph.ScheduleError, r"num_warmup_iters=0 with _order: warmup must run at least once"))
-    delayed = any(layer.kind == "delayed" for layer in case.layers)
+    delayed = any(layer.kind in DELAYED_KINDS for layer in case.layers)
     if delayed and p.wgrad_entries and max(p.layers) > 1:
         must.append(
             Refusal(gograph.ScheduleError, r"with weight-gradient entries every chunk must have exactly one layer")

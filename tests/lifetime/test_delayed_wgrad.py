@@ -1,8 +1,9 @@
 """Delayed weight gradients (``need_backward_dw()`` / ``backward_dw()``) behave as eagerly and as
 in TransformerEngine: the weight-gradient step runs only after a backward that ran (never in an
 inference build), a delayed layer whose input needs no grad still stashes its work, a build
-without warmup still captures the weight-gradient graph, and ``backward_dw()`` replays are
-checked against lent grads like every other replay."""
+without warmup still captures the weight-gradient graph, ``backward_dw()`` replays are checked
+against lent grads like every other replay, and a ``.grad`` replaced or dropped after graphing
+gets eager's gradient (every grad state: test_wgrad_grad_states.py)."""
 
 from __future__ import annotations
 
@@ -138,23 +139,26 @@ def test_backward_dw_replays_never_overwrite_a_held_grad(device: str, no_tf32: A
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_backward_dw_refuses_a_grad_replaced_after_graphing(device: str) -> None:
-    """The weight-gradient graph adds into the ``.grad`` it captured: after that tensor was
-    replaced, a replay would add into memory nobody reads and the new ``.grad`` would get nothing
-    (the CUDA engine's graph writes the old address; the eager engine refuses alike)."""
+def test_backward_dw_serves_a_grad_replaced_or_dropped_after_graphing(device: str, no_tf32: Any) -> None:
+    """The weight-gradient graph adds into the ``.grad`` it captured. Replaced since, the new
+    tensor gets the gradient added into it, as eagerly, and the old one keeps its values; set to
+    None, it gets the gradient alone (AccumulateGrad's rule: this module's own ``backward_dw()``
+    would fail on None eagerly, so the reference is a twin whose ``.grad`` was zeroed)."""
     mod = DelayedLinear(F, seed=3).to(device)
-    init_grads(mod)
+    ref = copy.deepcopy(mod)
+    init_grads(mod, ref)
     graphed = gograph.make_graphed_callables(mod, (torch.randn(4, F, device=device, requires_grad=True),))
-    x = torch.randn(4, F, device=device, requires_grad=True)
-    mod.weight.grad.zero_()  # type: ignore[union-attr]  # in place: fine
-    graphed(x).square().sum().backward()
-    graphed.backward_dw()
-    assert torch.count_nonzero(mod.weight.grad) > 0
-    init_grads(mod)  # replaced: refused, never silently dropped
-    graphed(x).square().sum().backward()
-    with pytest.raises(RuntimeError, match=r"weight\.grad is not the tensor its weight-gradient graph accumulates"):
-        graphed.backward_dw()
-    mod.weight.grad = None  # dropped: refused alike
-    with pytest.raises(RuntimeError, match=r"it is None now"):
-        graphed.backward_dw()
+    captured = mod.weight.grad
+    xs = _inputs(3, device, True)
+    init_grads(mod, ref)  # replaced
+    for m in (mod, ref):
+        m.weight.grad.add_(1.0)  # type: ignore[union-attr]
+    got, want = _train([graphed], [mod], xs[:1]), _train([_Eager(ref)], [ref], xs[:1])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.count_nonzero(captured) == 0, "the .grad the caller replaced changed"  # type: ignore[arg-type]
+    mod.weight.grad = None  # dropped
+    ref.weight.grad.zero_()  # type: ignore[union-attr]
+    got, want = _train([graphed], [mod], xs[1:2]), _train([_Eager(ref)], [ref], xs[1:2])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.count_nonzero(captured) == 0, "the .grad held here changed"  # type: ignore[arg-type]
     graphed.reset()

@@ -1,14 +1,17 @@
 """A differential lifetime fuzzer: random builds and training programs, graphed and eager.
 
 Each case draws a build (1-6 callables of every kind -- modules, a plain function, several and
-nested outputs, keyword arguments, an unused input, delayed weight gradients -- in train, eval,
-no-grad or frozen mode, inputs with and without grad, samples sharing memory; or a Megatron-LM
-pipeline schedule as ``_order``; ``num_warmup_iters`` 0-3, capture-time hooks, ``chain_buffers``,
-``_reuse_graph_input_output_buffers``, ``clone_param_grads_on_return``, ``debug_replay_order``; a
-fault injected into the build) and a program (steps of 1-3 micro-batches, ``loss.backward()`` or
-``torch.autograd.grad``, ``zero_grad(set_to_none=True/False)``, ``backward_dw()``, evaluation
-under ``torch.no_grad()``, ``reset()`` of some callables on the way), runs the program eagerly
-and through gograph, and checks three oracles (tests/lifetime/_fuzz_*.py):
+nested outputs, keyword arguments, an unused input, delayed weight gradients written into a
+``main_grad`` or into ``weight.grad`` by modules that add-or-assign or always assign -- in train,
+eval, no-grad or frozen mode, inputs with and without grad, samples sharing memory; or a
+Megatron-LM pipeline schedule as ``_order``; ``num_warmup_iters`` 0-3, capture-time hooks,
+``chain_buffers``, ``_reuse_graph_input_output_buffers``, ``clone_param_grads_on_return``,
+``debug_replay_order``; a fault injected into the build) and a program (steps of 1-3
+micro-batches, ``loss.backward()`` or ``torch.autograd.grad``, ``zero_grad(set_to_none=True/False)``,
+``backward_dw()`` with the ``weight.grad`` it writes pre-initialised after graphing, replaced after
+every step or held once dropped, evaluation under ``torch.no_grad()``, ``reset()`` of some
+callables on the way), runs the program eagerly and through gograph, and checks three oracles
+(tests/lifetime/_fuzz_*.py):
 
 1. values: every output, input grad, parameter grad and parameter bitwise equal to eager;
 2. liveness: warmup and capture outputs dead where they must be, static buffers dead after
@@ -151,6 +154,26 @@ KNOWN: dict[str, Case] = {
         num_warmup_iters=1,
         reuse=True,
         set_to_none=False,
+    ),
+    # backward_dw() writes weight.grad: eager's gradient in every state the caller leaves it in
+    "backward_dw() after zero_grad(): the minimal form of the add-or-assign module": Case(
+        layers=(Layer("dw_accum"),), num_warmup_iters=1
+    ),
+    "backward_dw() while the dropped .grad is still held": Case(
+        layers=(Layer("dw_accum"), Layer("linear", from_prev=True)), num_warmup_iters=2, micro=2, grad_state="hold"
+    ),
+    "backward_dw() of a module that always assigns, .grad replaced after every step": Case(
+        layers=(Layer("dw_assign"),), num_warmup_iters=1, set_to_none=False, micro=2, grad_state="replace"
+    ),
+    "backward_dw() of a module that always assigns, without warmup, grads kept": Case(
+        layers=(Layer("dw_assign", input_grad=False),), num_warmup_iters=0, set_to_none=False, micro=2
+    ),
+    "backward_dw() in a pipeline sharing microbatch graphs, .grad pre-initialised after graphing": Case(
+        layers=(Layer("dw_accum"), Layer("dw_assign")),
+        pipeline=Pipeline(pipeline_size=2, rank=0, microbatches=2, layers=(1, 1)),
+        num_warmup_iters=1,
+        share=True,
+        grad_state="preinit",
     ),
     "an inference _order whose passes share one input sample": Case(
         layers=(Layer("block"), Layer("block")),
