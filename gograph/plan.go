@@ -76,7 +76,8 @@ func PlanSteps(plan int64) (steps string, err error) {
 // integer ("0,1,0,..."), chain says whether chain_buffers is on (a chunk's
 // later layers take their microbatch's first entry), and the result gives,
 // per pass, the pass whose entry it takes (its own when none),
-// comma-separated.
+// comma-separated, a "c" after an entry taken by chaining (the pass's sample
+// args take it, its keyword args stay its own).
 func PlanSampleEntries(plan int64, keys string, chain bool) (entries string, err error) {
 	defer recoverPanic("plan_sample_entries", &err)
 	p, err := store.Get(plan)
@@ -87,11 +88,18 @@ func PlanSampleEntries(plan int64, keys string, chain bool) (entries string, err
 	if err != nil {
 		return "", fmt.Errorf("plan_sample_entries: keys: %w", err)
 	}
-	e, err := lifetime.ReuseSampleEntries(p, k, chain)
+	e, chained, err := lifetime.ReuseSampleEntries(p, k, chain)
 	if err != nil {
 		return "", fmt.Errorf("plan_sample_entries: %w", err)
 	}
-	return joinInts(e), nil
+	parts := make([]string, len(e))
+	for i, x := range e {
+		parts[i] = strconv.Itoa(x)
+		if chained[i] {
+			parts[i] += "c"
+		}
+	}
+	return strings.Join(parts, ","), nil
 }
 
 // PlanWarmup returns plan's warmup program for iters iterations: a header
@@ -234,12 +242,4 @@ func parseInts(s string) ([]int, error) {
 		out[i] = n
 	}
 	return out, nil
-}
-
-func joinInts(xs []int) string {
-	parts := make([]string, len(xs))
-	for i, x := range xs {
-		parts[i] = strconv.Itoa(x)
-	}
-	return strings.Join(parts, ",")
 }

@@ -125,6 +125,25 @@ func (p *Pool) Where(id int) (seg, offset int64, ok bool) {
 	return b.seg, b.offset, true
 }
 
+// FreeBlock is a free block: its segment, offset and size, and whether it is
+// in the small pool (only requests up to SmallSize take it, whatever its size).
+type FreeBlock struct {
+	Seg, Offset, Size int64
+	Small             bool
+}
+
+// FreeRanges lists the pool's free blocks, in no particular order: the
+// memory a request may be given now.
+func (p *Pool) FreeRanges() []FreeBlock {
+	out := make([]FreeBlock, 0, len(p.freeSmall)+len(p.freeLarge))
+	for _, list := range [][]*block{p.freeSmall, p.freeLarge} {
+		for _, b := range list {
+			out = append(out, FreeBlock{b.seg, b.offset, b.size, b.small})
+		}
+	}
+	return out
+}
+
 // SegmentSizes lists the segments' sizes in creation order (0 for one
 // ReleaseCached gave back).
 func (p *Pool) SegmentSizes() []int64 {

@@ -26,14 +26,19 @@ import (
 // leaves' shapes, dtypes and layouts, and, unlike TransformerEngine's key,
 // requires_grad and strides: an entry is never replaced by one a graph
 // would read differently).
-func ReuseSampleEntries(p *schedule.Plan, keys []int, chain bool) ([]int, error) {
+//
+// chained[pass] says that the pass took its entry by chaining: its sample
+// args, not its keyword args (a mask or a scale can differ between layers
+// in flight together), are its microbatch's previous layer's.
+func ReuseSampleEntries(p *schedule.Plan, keys []int, chain bool) (entry []int, chained []bool, err error) {
 	if !p.Ordered {
-		return nil, fmt.Errorf("sample entries are reorganised only for an _order schedule")
+		return nil, nil, fmt.Errorf("sample entries are reorganised only for an _order schedule")
 	}
 	if len(keys) != p.Passes {
-		return nil, fmt.Errorf("%d sample keys for %d passes", len(keys), p.Passes)
+		return nil, nil, fmt.Errorf("%d sample keys for %d passes", len(keys), p.Passes)
 	}
-	entry := make([]int, p.Passes)
+	entry = make([]int, p.Passes)
+	chained = make([]bool, p.Passes)
 	for i := range entry {
 		entry[i] = i
 	}
@@ -48,7 +53,7 @@ func ReuseSampleEntries(p *schedule.Plan, keys []int, chain bool) ([]int, error)
 				queued[s.Chunk] = append(queued[s.Chunk], nil)
 			}
 			if chain && s.Layer > 0 && keys[s.Pass] == keys[prev] {
-				entry[s.Pass] = entry[prev]
+				entry[s.Pass], chained[s.Pass] = entry[prev], true
 				prev = s.Pass
 				continue
 			}
@@ -74,5 +79,5 @@ func ReuseSampleEntries(p *schedule.Plan, keys []int, chain bool) ([]int, error)
 			queued[s.Chunk] = q[1:]
 		}
 	}
-	return entry, nil
+	return entry, chained, nil
 }

@@ -41,7 +41,7 @@ func TestReuseSampleEntries(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := ReuseSampleEntries(tc.p, tc.keys, tc.chain)
+			got, chained, err := ReuseSampleEntries(tc.p, tc.keys, tc.chain)
 			if tc.errMsg != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.errMsg) {
 					t.Fatalf("err = %v, want one containing %q", err, tc.errMsg)
@@ -53,6 +53,11 @@ func TestReuseSampleEntries(t *testing.T) {
 			}
 			if !reflect.DeepEqual(got, tc.want) {
 				t.Errorf("got %v, want %v", got, tc.want)
+			}
+			for pass, c := range chained {
+				if c && (!tc.chain || got[pass] != got[pass-1]) {
+					t.Errorf("pass %d marked chained (entry %d, previous layer's %d)", pass, got[pass], got[pass-1])
+				}
 			}
 		})
 	}
@@ -81,7 +86,7 @@ func FuzzReuseSampleEntries(f *testing.F) {
 		for i := range keys {
 			keys[i] = r.Intn(nkeys)
 		}
-		got, err := ReuseSampleEntries(p, keys, chain)
+		got, marked, err := ReuseSampleEntries(p, keys, chain)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -90,7 +95,10 @@ func FuzzReuseSampleEntries(f *testing.F) {
 			if e == pass {
 				continue
 			}
-			if chain && pass%layers > 0 && keys[pass] == keys[pass-1] {
+			if marked[pass] != (chain && pass%layers > 0 && keys[pass] == keys[pass-1]) {
+				t.Fatalf("pass %d: chained %v", pass, marked[pass])
+			}
+			if marked[pass] {
 				if e != got[pass-1] {
 					t.Fatalf("chained pass %d takes entry %d, not its previous layer's %d", pass, e, got[pass-1])
 				}

@@ -108,6 +108,7 @@ class Build:
         self.warm_pool: Hashable | None = None  # the pool warmup (or the seed) allocated in, while referenced
         self.seed = 0  # bytes carved in the pool before the first capture (the core's choice)
         self.colour_pools: dict[int, Hashable] = {}  # a shared colour's representative -> its own pool
+        self.wgrad_reserve: Any = None  # (_captures.capture_wgrad) released once the captures end
         self._rng: Any = None
         self._rolled_back = False
 
@@ -261,7 +262,11 @@ class Build:
             self._enter("seed")  # into the build's own pool: its reference goes back with warmup's
             if self.engine.carve_seed(self.pool, self.seed):
                 self.warm_pool = self.pool
-        self.execute(ProgramKind.CAPTURE, program.ops, _captures.HANDLERS)
+        try:
+            self.execute(ProgramKind.CAPTURE, program.ops, _captures.HANDLERS)
+        finally:
+            reserve, self.wgrad_reserve = self.wgrad_reserve, None
+            self.engine.release_hold(reserve)
         _captures.lent_thresholds(self.states, program)
 
     def return_warm_pool(self) -> None:

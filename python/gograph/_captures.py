@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import cast
 
 import torch
@@ -22,7 +22,8 @@ from torch import Tensor
 from . import _reuse, _te
 from ._bodies import BackwardBody
 from ._exec import Executor
-from ._kinds import BufferSource, CaptureOp, GraphKind
+from ._isolation import IsolatingBody
+from ._kinds import BufferSource, CaptureOp, GraphKind, ReleaseRole
 from ._shared_inputs import version_of
 from ._state import PassState
 from ._warmup import check_outputs
@@ -152,6 +153,10 @@ def capture_forward(x: Executor, st: PassState) -> None:
     req.hooks.run("forward_pre_hooks", spec.callable_index, func)
     discover = req.num_warmup_iters == 0 and not req.ordered  # no warmup found the wgrad modules
     before = None if st.warmed else [version_of(t) for t in st.flat_args]  # what no warmup told
+    pool = x.pool_of(st)
+    body = st.capture_body
+    if x.engine.isolates_outputs:  # static outputs out of memory earlier captures of the pool wrote
+        body = IsolatingBody(body, x.engine, pool, _released_outputs(program, st.index))
     with (
         torch.set_grad_enabled(spec.grad_enabled),
         _te.discover_wgrad_modules(func, st.wgrad_modules) if discover else contextlib.nullcontext(),
@@ -159,13 +164,16 @@ def capture_forward(x: Executor, st: PassState) -> None:
         results, st.seq[0] = x.engine.capture(
             st.pass_id,
             int(GraphKind.FORWARD),
-            st.capture_body,
+            body,
             *st.body_args,
-            pool=x.pool_of(st),
+            pool=pool,
             uses_rng=st.rng[0],
             mode=req.capture_mode,
         )
-    outputs = cast("tuple[Tensor, ...]", results)  # a forward body returns tensors only (ForwardBody)
+    own = body.isolated if isinstance(body, IsolatingBody) else ()
+    n = len(results) - len(own or ())
+    outputs = cast("tuple[Tensor, ...]", results[:n])  # a forward body returns tensors only (ForwardBody)
+    static = dict(zip(own or (), cast("tuple[Tensor, ...]", results[n:])))
     check_outputs(st, outputs, x.device)
     if before is not None:  # which leaves its forward writes in place (version counters move in a capture too)
         st.mutated_inputs = frozenset(j for j, (t, v) in enumerate(zip(st.flat_args, before)) if version_of(t) != v)
@@ -174,8 +182,18 @@ def capture_forward(x: Executor, st: PassState) -> None:
     req.hooks.run("forward_hooks", spec.callable_index, func)
     # Keep detached aliases: the static storage, without the capture's autograd graph.
     st.output_requires_grad = tuple(bool(o.requires_grad) for o in outputs)
-    st.static_outputs = tuple(o.detach() for o in outputs)
+    st.static_outputs = tuple(static.get(k, o).detach() for k, o in enumerate(outputs))
     st.capture_outputs = tuple(outputs) if any(st.output_requires_grad) else None
+
+
+def _released_outputs(program: CaptureProgram, index: int) -> frozenset[int]:
+    """The outputs of pass ``index`` the program hands back to the pool (valid until the schedule
+    reuses them): no buffer of their own."""
+    return frozenset(
+        op.buffer
+        for op in program.ops
+        if op.kind is CaptureOp.RELEASE and op.pass_index == index and op.role is ReleaseRole.OUTPUT
+    )
 
 
 def _grad_output_buffer(x: Executor, st: PassState, k: int, o: Tensor, program: CaptureProgram) -> Tensor:
@@ -250,7 +268,32 @@ def capture_wgrad(x: Executor, st: PassState) -> None:
     if not st.has_backward or not (st.need_dw or _te.modules_needing_dw(mods)):
         return  # no backward ran (its outputs need no grad, known at capture without warmup): nothing to do
     body = _te.WgradBody(mods, st.spec.label, fill_empty=st.warm_backwards == 0)  # no warmup ran it
-    _, st.seq[2] = x.engine.capture(
-        st.pass_id, int(GraphKind.WGRAD), body, pool=x.pool_of(st), uses_rng=st.rng[2], mode=x.req.capture_mode
-    )
+    pool = x.pool_of(st)
+    with _wgrad_memory(x, pool):
+        _, st.seq[2] = x.engine.capture(
+            st.pass_id, int(GraphKind.WGRAD), body, pool=pool, uses_rng=st.rng[2], mode=x.req.capture_mode
+        )
     st.wgrad_body = body
+
+
+@contextlib.contextmanager
+def _wgrad_memory(x: Executor, pool: Hashable) -> Iterator[None]:
+    """The default schedule's weight-gradient graph replays whenever the caller runs
+    ``backward_dw()`` -- right after its backward, or after every backward of the step -- so it
+    must write no block another graph's data lives in, and nothing captured after it may carve a
+    block it writes or reads (what its backward stashed, freed as it consumes it). While it is
+    captured, every free block of the pool but the weight-gradient graphs' own is held; after it,
+    what is free then (its temporaries, what it consumed) is held from the later captures until
+    the captures end. An ``_order`` places its weight gradients in the schedule: nothing to do."""
+    engine = x.engine
+    if x.schedule.ordered or not engine.isolates_outputs:
+        yield
+        return
+    others = engine.hold_free_blocks(pool, capturing=False)
+    reserve, x.wgrad_reserve = x.wgrad_reserve, None
+    engine.release_hold(reserve)  # the earlier weight-gradient graphs' memory, for this one
+    try:
+        yield
+    finally:
+        x.wgrad_reserve = engine.hold_free_blocks(pool, capturing=False)
+        engine.release_hold(others)

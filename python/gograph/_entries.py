@@ -12,8 +12,9 @@ keyword names match, so no graph reads an entry differently than its own. Tuples
 they are (their samples then live until the call returns), as in TransformerEngine.
 
 With ``chain_buffers`` a chunk's later layers read the previous layer's output in place and no
-sample: each of their entries becomes its microbatch's previous layer's entry as well (when the
-two match), so one sample per microbatch in flight is kept.
+sample: each of their ``sample_args`` entries becomes its microbatch's previous layer's entry as
+well (when the two match; its ``sample_kwargs`` entry stays its own), so one sample per
+microbatch in flight is kept.
 """
 
 from __future__ import annotations
@@ -62,10 +63,14 @@ def reuse_sample_entries(
     owner = schedule.callable_of if share else (0,) * len(args)
     keys = [ids.setdefault((owner[p], entry_key(a, k)), len(ids)) for p, (a, k) in enumerate(zip(args, kwargs))]
     text = str(_core.plan_sample_entries(schedule.handle, ",".join(map(str, keys)), bool(chain)))
-    entries = [int(e) for e in text.split(",")] if text else []
+    tokens = text.split(",") if text else []
+    entries = [int(t.rstrip("c")) for t in tokens]
+    # a chained pass takes its previous layer's sample args only: its keyword args (a mask, a
+    # scale) may differ from that layer's while both are in flight
+    kw_entries = [p if t.endswith("c") else e for p, (t, e) in enumerate(zip(tokens, entries))]
     _replace_in(given_args, entries)
-    _replace_in(given_kwargs, entries)
-    return tuple(args[e] for e in entries), tuple(kwargs[e] for e in entries)
+    _replace_in(given_kwargs, kw_entries)
+    return tuple(args[e] for e in entries), tuple(kwargs[e] for e in kw_entries)
 
 
 def _replace_in(given: Any, entries: Sequence[int]) -> None:

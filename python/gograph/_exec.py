@@ -46,7 +46,8 @@ class Executor(Protocol):
     the engine and pool, the capture program once planned (``program``, with the slot tensors
     it uses), the generator marker warmup last read (``rng_at``), the pool reference warmup or
     the seed holds (``warm_pool``), the bytes the seed carves before the first capture
-    (``seed``, the core's choice), whether replays are checked (``debug``), and the hooks."""
+    (``seed``, the core's choice), whether replays are checked (``debug``), the hooks, and what the
+    default schedule's weight-gradient captures hold of the pool (``wgrad_reserve``)."""
 
     req: Request
     schedule: Schedule
@@ -61,6 +62,7 @@ class Executor(Protocol):
     seed: int
     debug: bool
     hooks: HookList
+    wgrad_reserve: Any  # the default schedule's weight-gradient memory, held from other captures
 
     def return_warm_pool(self) -> None: ...
 

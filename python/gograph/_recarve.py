@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,11 @@ import torch
 from . import _core, _torch
 from ._exec import Executor, ProgramKind
 from ._handouts import WATCH
+from ._poolmodel import PoolModel
 from ._probe import AllocationTrace, RecordingHooks, op_spans
 from ._state import PassState
 from ._wire import Op
-from .engines import CudaEngine
+from .engines import CudaEngine, EagerEngine
 
 __all__ = ["CaptureRecorder", "DebugRecorder", "send", "specs"]
 
@@ -73,10 +74,15 @@ class DebugRecorder(RecordingHooks[CaptureRecorder]):
     def __init__(self) -> None:
         super().__init__()
         self.recorded: CaptureRecorder | None = None
+        self.modelled: PoolModel | None = None  # the eager engine's pool model, in debug mode
 
     @contextlib.contextmanager
     def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:
         engine = build.engine
+        if kind is ProgramKind.CAPTURE and build.debug and isinstance(engine, EagerEngine):
+            self.modelled = engine.pool_model  # its blocks are the model's: nothing to record
+            yield
+            return
         if kind is not ProgramKind.CAPTURE or not build.debug or not isinstance(engine, CudaEngine):
             yield
             return
@@ -93,8 +99,11 @@ class DebugRecorder(RecordingHooks[CaptureRecorder]):
 
     def finished(self, build: Executor, failed: bool) -> None:
         rec, self.recorded = self.recorded, None
+        model, self.modelled = self.modelled, None
         if rec is not None and not failed and build.program is not None:
             send(specs(rec, build.program.ops, build.states))
+        elif model is not None and not failed:
+            send(model_specs(model, build.states))
 
 
 def specs(rec: CaptureRecorder, ops: Sequence[Op], states: Sequence[PassState]) -> dict[Graph, Spec]:
@@ -128,17 +137,26 @@ def specs(rec: CaptureRecorder, ops: Sequence[Op], states: Sequence[PassState]) 
     return out
 
 
-def _handouts(st: PassState) -> list[tuple[Graph, list[tuple[int, int, int, str]]]]:
-    """The pool-planned buffers the pass's forward and backward hand the caller."""
+def _handouts(st: PassState, where: Callable[[torch.Tensor], tuple[int, int] | None] | None = None) -> list[Any]:
+    """The pool-planned buffers the pass's forward and backward hand the caller; ``where`` says
+    where a buffer lies (default: its storage's device addresses)."""
+    locate = where if where is not None else _span
     outs, grads = [], []
     for role, i in sorted(st.released):
         if role == "o" and i < len(st.static_outputs):
-            a, n = _storage(st.static_outputs[i])
-            outs.append((a, a + max(n, 1), i, f"output {i}"))
+            r = locate(st.static_outputs[i])
+            if r is not None:
+                outs.append((r[0], r[1], i, f"output {i}"))
         elif role == "d" and i < len(st.static_grad_inputs) and (grad := st.static_grad_inputs[i]) is not None:
-            a, n = _storage(grad)
-            grads.append((a, a + max(n, 1), i, f"the grad of input {i}"))
+            r = locate(grad)
+            if r is not None:
+                grads.append((r[0], r[1], i, f"the grad of input {i}"))
     return [((st.pass_id, 0), outs), ((st.pass_id, 1), grads)]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    a, n = _storage(t)
+    return a, a + max(n, 1)
 
 
 def _reads(
@@ -162,16 +180,58 @@ def _reads(
             if a not in live or live[a] is saved.get(a)
         ]
     if kind == 2:  # the weight-gradient work its backward stashed: the incoming grads it was given
-        wanted += [
+        wanted += [  # (a chained one is copied in by its own backward when its producer did not run)
             (*_storage(g), f"the incoming grad of output {k} (its backward's)")
             for k, g in enumerate(st.static_grad_outputs)
-            if g is not None
+            if g is not None and k not in st.chained_grad_outputs
         ]
     reads, seen = [], set()
     for addr, nbytes, what in wanted:
         if addr in live and addr not in seen:
             seen.add(addr)
             reads.append((addr, addr + max(nbytes, 1), live[addr][1], what))
+    return reads
+
+
+def model_specs(model: PoolModel, states: Sequence[PassState]) -> dict[Graph, Spec]:
+    """Per captured graph, what it writes and reads in the eager engine's model of its pool: the
+    same specs :func:`specs` reads from CUDA's allocator, in model addresses."""
+    out: dict[Graph, Spec] = {}
+    for st in states:
+        for kind, noun in ((0, "forward"), (1, "backward"), (2, "weight gradient")):
+            g = (st.pass_id, kind)
+            if not st.seq[kind] or g in out:
+                continue
+            out[g] = {
+                "name": f'pass {st.pass_id} ("{st.spec.label}") {noun}',
+                "writes": [b.range for b in model.writes.get(g, ())],
+                "reads": _model_reads(model, st, kind),
+                "handouts": [],
+            }
+    for st in states:
+        for g, handouts in _handouts(st, model.range_of):
+            if g in out:
+                out[g]["handouts"] = handouts
+    return out
+
+
+def _model_reads(model: PoolModel, st: PassState, kind: int) -> list[Any]:
+    """The modelled blocks a graph reads that another capture produced (see :func:`_reads`)."""
+    reads: list[Any] = []
+    if kind == 0:
+        for j in sorted(st.chained_inputs):
+            b = model.block(st.flat_args[j])
+            if b is not None and b.graph is not None:
+                reads.append((*b.range, b.graph, f"its chained input {j}"))
+        return reads
+    for b in model.saved_blocks(st.pass_id, (st.pass_id, kind)):
+        if b.graph is not None:
+            reads.append((*b.range, b.graph, f"what pass {st.pass_id}'s forward saved"))
+    if kind == 2:  # (a chained incoming grad is copied in by its own backward when its producer did not run)
+        for k, t in enumerate(st.static_grad_outputs):
+            b = model.block(t) if t is not None and k not in st.chained_grad_outputs else None
+            if b is not None and b.graph is not None:
+                reads.append((*b.range, b.graph, f"the incoming grad of output {k} (its backward's)"))
     return reads
 
 

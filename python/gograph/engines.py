@@ -35,6 +35,7 @@ import torch
 from . import _capture_state, _core, _dry_run, _native, _observe, _torch
 from ._kinds import GraphKind
 from ._pool import EagerPool
+from ._poolmodel import HOLD_ROUNDS, PoolModel, hold_requests
 from ._rng import RngCompanions, _OnStream
 from ._warn import warn_user
 
@@ -173,6 +174,37 @@ class Engine(abc.ABC):
         if failure:
             raise RuntimeError(failure)
 
+    #: Whether forward captures keep static outputs out of memory earlier captures of their pool
+    #: wrote (:mod:`gograph._isolation`): engines with a pool, or a model of one.
+    isolates_outputs = False
+
+    def pool_free_blocks(self, pool: Hashable) -> list[tuple[int, int]]:
+        """The memory of ``pool`` a capture's allocation may be given now (engines with a pool)."""
+        return []
+
+    def block_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """Where ``t``'s storage lies, in the addresses :meth:`pool_free_blocks` speaks."""
+        return None
+
+    def hold_free_blocks(self, pool: Hashable, capturing: bool) -> Any:
+        """Takes every free block of ``pool`` (as allocations of exactly their sizes), so that the
+        pool's next allocations get new memory; ``capturing``: inside a capture into ``pool``
+        (its allocations are routed there already). Returns what :meth:`release_hold` frees."""
+        return None
+
+    def release_hold(self, hold: Any) -> None:  # noqa: B027 (optional: engines with a pool)
+        """Frees what :meth:`hold_free_blocks` took (None: nothing)."""
+
+    @contextlib.contextmanager
+    def pool_plugged(self, pool: Hashable) -> Iterator[None]:
+        """Inside a capture into ``pool``: while open, every free block of the pool is held, so an
+        allocation gets new memory."""
+        hold = self.hold_free_blocks(pool, capturing=True)
+        try:
+            yield
+        finally:
+            self.release_hold(hold)
+
     #: Whether a pool buffer's memory outlives its owning tensor while the pool lives (a graph
     #: pool keeps its blocks mapped): then a buffer the core hands back keeps only non-owning
     #: views. Host memory goes with its last owner, so the eager engine keeps the owners.
@@ -303,6 +335,7 @@ class CudaEngine(Engine):
 
     name = "cuda"
     pool_keeps_released_memory = True
+    isolates_outputs = True
 
     def __init__(
         self,
@@ -422,6 +455,41 @@ class CudaEngine(Engine):
             finally:
                 _torch.end_allocate_to_pool(idx, pool)
         return result, seq
+
+    def pool_free_blocks(self, pool: Hashable) -> list[tuple[int, int]]:
+        return [(s, e) for s, e, _ in _torch.pool_free_blocks(self.device_index, pool, int(self.stream.cuda_stream))]
+
+    def block_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        s = t.untyped_storage()
+        return int(s.data_ptr()), int(s.data_ptr()) + int(s.nbytes())
+
+    def hold_free_blocks(self, pool: Hashable, capturing: bool) -> Any:
+        # On the capture stream, routed to the pool: requests of the free blocks' sizes take them
+        # (best fit, the largest first; _poolmodel.hold_requests), so nothing free is left.
+        if capturing:
+            return self._take_free(pool)
+        idx = self.device_index
+        with _OnDevice(idx), _OnStream(self.stream):
+            _torch.begin_allocate_to_pool(idx, pool)
+            try:
+                return self._take_free(pool)
+            finally:
+                _torch.end_allocate_to_pool(idx, pool)
+                _torch.release_pool(idx, pool)  # the routing's reference; the blocks hold the pool
+
+    def _take_free(self, pool: Hashable) -> list[torch.Tensor]:
+        held: list[torch.Tensor] = []
+        stream = int(self.stream.cuda_stream)
+        for _ in range(HOLD_ROUNDS):
+            sizes = hold_requests(_torch.pool_free_blocks(self.device_index, pool, stream))
+            if not sizes:
+                break
+            held += [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        return held
+
+    def release_hold(self, hold: Any) -> None:
+        if hold:
+            hold.clear()
 
     def replay(self, pass_id: int, kind: int) -> None:
         # The hot path: one capture-status query, one raw current-stream query, one dict probe
@@ -654,25 +722,37 @@ class EagerEngine(Engine):
 
     name = "eager"
 
-    def __init__(self, dry_run: bool = False, generators: Sequence[torch.Generator] = ()) -> None:
+    def __init__(
+        self, dry_run: bool = False, generators: Sequence[torch.Generator] = (), pool_model: bool = False
+    ) -> None:
         """``dry_run``: captures refuse what a CUDA capture cannot contain (host reads, syncs,
         device-to-host copies, draws from a generator the capture does not carry), with
         :class:`gograph.CaptureUnsupportedError`. Off by default: a model may take a CPU-only
         branch (one that reads a value on the host) that it does not take on CUDA.
         ``generators``: the generators, besides the default one, that the CUDA engine will carry
         (``CudaEngine(generators=...)``: a tensor-parallel RNG tracker's); a dry run refuses a
-        random op that draws from any other."""
+        random op that draws from any other.
+        ``pool_model``: model CUDA's graph pools (:mod:`gograph._poolmodel`): each capture's
+        blocks are placed as CUDA's caching allocator would place them, a replay overwrites what
+        the graph's replay would overwrite on CUDA (another graph's output or saved activations in
+        a block it writes), and static outputs are kept out of such blocks as the CUDA engine
+        keeps them. Off by default (it costs a dispatch hook per op while capturing)."""
         super().__init__()
         if not isinstance(dry_run, bool):
             raise TypeError(f"EagerEngine: dry_run must be a bool, got {type(dry_run).__name__}")
+        if not isinstance(pool_model, bool):
+            raise TypeError(f"EagerEngine: pool_model must be a bool, got {type(pool_model).__name__}")
         if not all(isinstance(g, torch.Generator) for g in generators):
             raise TypeError("EagerEngine: generators must be torch.Generator objects")
         self.dry_run = dry_run
         self._generators = tuple(generators)
         self._passes: dict[int, _EagerPassRecord] = {}
+        self.pool_model: PoolModel | None = PoolModel() if pool_model else None
+        self.isolates_outputs = pool_model
 
     def __repr__(self) -> str:
-        return "EagerEngine(dry_run=True)" if self.dry_run else "EagerEngine()"
+        opts = [name for name, on in (("dry_run", self.dry_run), ("pool_model", self.pool_model)) if on]
+        return f"EagerEngine({', '.join(f'{o}=True' for o in opts)})"
 
     def new_pool(self) -> Hashable:
         return EagerPool()
@@ -688,7 +768,10 @@ class EagerEngine(Engine):
         _core.begin_pass_capture(pass_id, kind, self.pool_key(pool), 0, 0)
         try:
             # what a CUDA capture would refuse, refused here too
-            with _dry_run.capture_checked(self._generators) if self.dry_run else contextlib.nullcontext():
+            with (
+                _dry_run.capture_checked(self._generators) if self.dry_run else contextlib.nullcontext(),
+                self._modelled(pool, pass_id, kind),
+            ):
                 result = tuple(body(*body_args))
         except BaseException:
             _abort(pass_id, kind, 0)
@@ -713,6 +796,17 @@ class EagerEngine(Engine):
         )
         return result, seq
 
+    def _modelled(self, pool: Hashable, pass_id: int, kind: int) -> contextlib.ExitStack:
+        """With the pool model: the capture's allocations recorded in ``pool``'s model, and what a
+        forward saves for its backward noted."""
+        stack = contextlib.ExitStack()
+        model = self.pool_model
+        if model is not None:
+            stack.enter_context(model.window(self.pool_key(pool), (pass_id, kind)))
+            if kind == FORWARD:
+                stack.enter_context(model.saving_capture(pass_id))
+        return stack
+
     def replay(self, pass_id: int, kind: int) -> None:
         _core.replay(pass_id, kind, 0)  # lifecycle check; raises after reset
         record = self._passes.get(pass_id)
@@ -720,6 +814,9 @@ class EagerEngine(Engine):
             _core.replay(pass_id, kind, 0)
             raise RuntimeError(f"gograph eager engine: pass {pass_id} was reset during its replay")
         entry = record.entries[kind]
+        model = self.pool_model
+        if model is not None:  # what this graph's replay overwrites on CUDA, overwritten
+            model.overwrite_before((pass_id, kind))
         if kind == BACKWARD:
             live, record.live_outputs = record.live_outputs, None
             if live is None:
@@ -736,7 +833,8 @@ class EagerEngine(Engine):
                 new = tuple(entry.body(live))
             del live
         else:
-            with torch.set_grad_enabled(entry.grad_enabled), _as_captured(entry):
+            saving = model.saving_replay(pass_id) if model is not None else contextlib.nullcontext()
+            with torch.set_grad_enabled(entry.grad_enabled), _as_captured(entry), saving:
                 new = tuple(entry.body(*entry.body_args))
             if kind == FORWARD and BACKWARD in record.entries:
                 record.live_outputs = new
@@ -744,9 +842,30 @@ class EagerEngine(Engine):
 
     def _forget(self, pass_id: int) -> None:
         self._passes.pop(pass_id, None)
+        if self.pool_model is not None:
+            self.pool_model.forget(pass_id)
 
     def warmup_context(self, pool: Hashable | None = None) -> contextlib.AbstractContextManager[None]:
+        if pool is not None and self.pool_model is not None:  # a warmup in the graph pool lays it out
+            return self.pool_model.window(self.pool_key(pool))
         return contextlib.nullcontext()  # host memory: no pool to allocate in, nothing cached
+
+    def buffer_released(self, tensor: torch.Tensor) -> None:
+        if self.pool_model is not None:
+            self.pool_model.release(tensor)
+
+    def pool_free_blocks(self, pool: Hashable) -> list[tuple[int, int]]:
+        return self.pool_model.free_ranges(self.pool_key(pool)) if self.pool_model is not None else []
+
+    def block_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        return self.pool_model.range_of(t) if self.pool_model is not None else None
+
+    def hold_free_blocks(self, pool: Hashable, capturing: bool) -> Any:
+        return self.pool_model.hold(self.pool_key(pool)) if self.pool_model is not None else None
+
+    def release_hold(self, hold: Any) -> None:
+        if self.pool_model is not None and hold:
+            self.pool_model.release_held(hold)
 
     def rng_marker(self) -> Hashable:
         return None  # re-running the body consumes RNG exactly as eager code does

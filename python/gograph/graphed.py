@@ -440,6 +440,7 @@ class GraphedCallable(GraphedMark):
         if CAPTURE_STATE.depth:
             self._raise_nested_capture()
         if self._check_replay_order:  # debug guard: refuse before any static buffer is written
+            self._check_chained(flat)  # a chained input not its producer's output: that error first
             _core.check_replay_order(self.pass_id, FORWARD)
         if _torch.functorch_transforms_active():
             out = _GraphedFunction.apply(self, opts, *flat, *self.module_params)
@@ -780,6 +781,14 @@ class GraphedCallable(GraphedMark):
                 new.dtype,
                 dtype,
             )
+
+    def _check_chained(self, flat: Sequence[Any]) -> None:
+        """Raises for a chained leaf not called with its producer's output (the replay-order guard
+        would otherwise name the producer's missing replay instead of the caller's argument)."""
+        for i, (static, _, _, _, chained, _) in enumerate(self._input_sig):
+            new = flat[i] if i < len(flat) else None
+            if chained and isinstance(new, Tensor) and new is not static and static.data_ptr() != new.data_ptr():
+                self._raise_unchained(i, new)
 
     def _raise_unchained(self, i: int, new: Tensor) -> None:
         raise ChainedInputError(

@@ -26,6 +26,7 @@ from _fuzz_refusals import expected_refusals
 from _fuzz_world import World
 
 import gograph
+from gograph.engines import EagerEngine
 
 __all__ = ["run_case"]
 
@@ -55,10 +56,15 @@ class _Run:
     device: torch.device
     violations: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # what the case exercised (hypothesis statistics)
+    pool_model: bool = False  # the eager engine models CUDA's graph pools (gograph._poolmodel)
 
     def __post_init__(self) -> None:
         self.data = Data(self.case.seed, self.device)
-        self.engine = ScribblingEagerEngine() if self.device.type == "cpu" and self.case.clone_param_grads else None
+        self.engine: EagerEngine | None = None
+        if self.device.type == "cpu" and self.case.clone_param_grads:
+            self.engine = ScribblingEagerEngine(pool_model=self.pool_model)
+        elif self.device.type == "cpu" and self.pool_model:
+            self.engine = EagerEngine(pool_model=True)
 
     # -- what subclasses provide ------------------------------------------------------------
     def make(self) -> None:
@@ -182,6 +188,8 @@ class _Run:
             self.events.append("pool-planned hand-outs")
         if isinstance(self.engine, ScribblingEagerEngine) and self.engine.scribbled:
             self.events.append("pool overwrites emulated")
+        if self.pool_model:
+            self.events.append("graph pools modelled")
 
     def _check_failure(self, what: str, message: str, chained: bool, before: tuple[int, Any], reserved: int) -> None:
         """The build raised (an injected fault: the error, of its type and chained to it, names
@@ -374,11 +382,13 @@ def _to(c: Any, device: torch.device) -> Any:
     return c.to(device) if isinstance(c, torch.nn.Module) else c
 
 
-def run_case(case: Case, device: torch.device, events: list[str] | None = None) -> list[str]:
-    """Runs ``case`` on ``device`` (the eager engine on the CPU); returns what the oracles found,
-    and appends to ``events`` what the case exercised."""
+def run_case(case: Case, device: torch.device, events: list[str] | None = None, pool_model: bool = False) -> list[str]:
+    """Runs ``case`` on ``device`` (the eager engine on the CPU, modelling CUDA's graph pools with
+    ``pool_model``); returns what the oracles found, and appends to ``events`` what the case
+    exercised."""
     passes = gograph.live_passes()
-    run: _Run = _DefaultRun(case, device) if case.pipeline is None else _PipelineRun(case, device)
+    kind = _DefaultRun if case.pipeline is None else _PipelineRun
+    run: _Run = kind(case, device, pool_model=pool_model)
     try:
         violations = run.run()
     finally:

@@ -20,7 +20,11 @@ callables on the way), runs the program eagerly and through gograph, and checks 
    every held output keeps its values unless the docs say a replay overwrites it.
 
 A configuration the API refuses with a documented error is a valid case (the error is checked).
-On the CPU the eager engine runs, with pool overwrites made visible (``_fuzz_engine``).
+On the CPU the eager engine runs, with lent-grad overwrites made visible (``_fuzz_engine``), and,
+in ``test_lifetime_fuzz_pool_model``, with its model of CUDA's graph pools
+(``EagerEngine(pool_model=True)``): each replay overwrites what it overwrites on CUDA, so the
+oracles see on the CPU the wrong values only a pool makes (another graph's output or saved
+activations in a block a replay writes).
 
 Reproducible: a fixed seed (``GOGRAPH_FUZZ_SEED`` overrides it) and a case count
 (``GOGRAPH_FUZZ_CASES``, default 300 on the CPU, about 10-20 s, and 500 on CUDA; ten times that
@@ -31,11 +35,15 @@ cases exercised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
+
+from gograph import _captures, _isolation
 
 pytest.importorskip("hypothesis")
 
@@ -55,11 +63,11 @@ _SETTINGS = {
 }
 
 
-def _check(case: Case, device: torch.device) -> None:
+def _check(case: Case, device: torch.device, pool_model: bool = False) -> None:
     note(describe(case))
     note(repr(case))
     events: list[str] = []
-    violations = run_case(case, device, events)
+    violations = run_case(case, device, events, pool_model=pool_model)
     for e in sorted(set(events)):
         event(e)
     _log_verdict(case, violations)
@@ -81,6 +89,16 @@ def _log_verdict(case: Case, violations: list[str]) -> None:
 @given(case=cases())
 def test_lifetime_fuzz_eager_engine(case: Case, frozen_heap: None) -> None:
     _check(case, torch.device("cpu"))
+
+
+@pytest.mark.one_python
+@seed(SEED)
+@settings(max_examples=int(CASES or 300), **_SETTINGS)
+@given(case=cases())
+def test_lifetime_fuzz_pool_model(case: Case, frozen_heap: None) -> None:
+    """The eager engine modelling CUDA's graph pools: what a replay overwrites on CUDA is
+    overwritten here too, so the oracles see the wrong values only the pool makes."""
+    _check(case, torch.device("cpu"), pool_model=True)
 
 
 @pytest.mark.cuda
@@ -175,6 +193,33 @@ KNOWN: dict[str, Case] = {
         share=True,
         grad_state="preinit",
     ),
+    # Found by the fuzzer on CUDA (the pool model shows both on the CPU, test_pool_model_sees_*):
+    # without warmup, callable 1's static output, captured after callable 0's forward, took a
+    # block that forward's graph writes (a temporary freed inside its capture), so the next
+    # forward of callable 0 changed an output callable 1 had handed out -- an evaluation output,
+    # or a training output of the previous micro-batch
+    "an evaluation output of a build without warmup outlives another callable's forward": Case(
+        layers=(Layer("fn", input_grad=False), Layer("linear", input_grad=False)),
+        num_warmup_iters=0,
+        evaluate=True,
+        set_to_none=False,
+    ),
+    "a training output of a build without warmup outlives the next micro-batch's first forward": Case(
+        layers=(Layer("fn", input_grad=False), Layer("linear", input_grad=False)),
+        num_warmup_iters=0,
+        micro=2,
+        set_to_none=False,
+    ),
+    # Found by the pool model: the default schedule's weight gradient, replayed by backward_dw()
+    # after the step's other backwards, wrote the block a later-captured backward gave the grad
+    # of its input that the first layer's weight gradient still reads (main_grad NaN on the CPU)
+    "backward_dw() after the step's backwards, with chained buffers": Case(
+        layers=(Layer("delayed", input_grad=False), Layer("linear", from_prev=True), Layer("delayed", from_prev=True)),
+        num_warmup_iters=1,
+        chain_buffers=True,
+        set_to_none=False,
+        backward_dw="after",
+    ),
     "an inference _order whose passes share one input sample": Case(
         layers=(Layer("block"), Layer("block")),
         pipeline=Pipeline(pipeline_size=1, rank=0, microbatches=2, layers=(2,), inference=True),
@@ -184,36 +229,45 @@ KNOWN: dict[str, Case] = {
 }
 
 
-#: Found by the fuzzer on CUDA and still open there (a strict xfail on the CUDA engine, so that its
-#: fix shows); the eager engine runs them green: it has no pool whose blocks two graphs share.
-CUDA_OPEN: dict[str, Case] = {
-    # without warmup nothing planned the pool: callable 1's static output, captured after callable
-    # 0's forward, reuses a block that forward's graph writes (a temporary freed inside its
-    # capture), so the next training forward of callable 0 changes the output an evaluation
-    # forward of callable 1 handed out
-    "an evaluation output of a build without warmup outlives another callable's forward": Case(
-        layers=(Layer("fn", input_grad=False), Layer("linear", input_grad=False)),
-        num_warmup_iters=0,
-        evaluate=True,
-        set_to_none=False,
-    ),
-}
-_OPEN_ON_CUDA = pytest.mark.xfail(
-    strict=True, reason="open on the CUDA engine: a graph without warmup writes a block another's output holds"
-)
-
-
-@pytest.mark.parametrize("case", [*KNOWN.values(), *CUDA_OPEN.values()], ids=[*KNOWN, *CUDA_OPEN])
-def test_known_lifetime_cases_eager_engine(case: Case, frozen_heap: None) -> None:
-    violations = run_case(case, torch.device("cpu"))
+@pytest.mark.parametrize("pool_model", [False, True], ids=["eager", "pool-model"])
+@pytest.mark.parametrize("case", KNOWN.values(), ids=KNOWN)
+def test_known_lifetime_cases_eager_engine(case: Case, pool_model: bool, frozen_heap: None) -> None:
+    violations = run_case(case, torch.device("cpu"), pool_model=pool_model)
     assert not violations, describe(case) + "\n" + "\n".join(violations)
+
+
+#: The cases the pool model found (or saw first as the CUDA fuzzer's), with what each fix does.
+POOL_FIXES = {
+    "an evaluation output of a build without warmup outlives another callable's forward": "outputs",
+    "a training output of a build without warmup outlives the next micro-batch's first forward": "outputs",
+    "backward_dw() after the step's backwards, with chained buffers": "wgrad",
+}
+
+
+@pytest.mark.parametrize("name", POOL_FIXES, ids=list(POOL_FIXES))
+def test_pool_model_sees_what_the_fix_prevents(name: str, monkeypatch: pytest.MonkeyPatch, frozen_heap: None) -> None:
+    """With the fix undone (static outputs left where their capture put them; the weight
+    gradient captured among the other graphs), the pool model shows the wrong value CUDA gives;
+    the plain eager engine, which has no pool, does not."""
+    if POOL_FIXES[name] == "outputs":
+        monkeypatch.setattr(_isolation.IsolatingBody, "__call__", _no_isolation)
+    else:
+        monkeypatch.setattr(_captures, "_wgrad_memory", lambda x, pool: contextlib.nullcontext())
+    case = KNOWN[name]
+    assert run_case(case, torch.device("cpu")) == []
+    assert any(v.startswith(("canary:", "values:")) for v in run_case(case, torch.device("cpu"), pool_model=True))
+
+
+def _no_isolation(self: Any, *args: Any) -> tuple[Any, ...]:
+    self.isolated = ()
+    return tuple(self.body(*args))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "case",
-    [*KNOWN.values(), *(pytest.param(c, marks=_OPEN_ON_CUDA) for c in CUDA_OPEN.values())],
-    ids=[*KNOWN, *CUDA_OPEN],
+    KNOWN.values(),
+    ids=KNOWN,
 )
 def test_known_lifetime_cases_cuda_engine(
     case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
