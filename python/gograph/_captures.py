@@ -155,8 +155,10 @@ def capture_forward(x: Executor, st: PassState) -> None:
     before = None if st.warmed else [version_of(t) for t in st.flat_args]  # what no warmup told
     pool = x.pool_of(st)
     body = st.capture_body
-    if x.engine.isolates_outputs:  # static outputs out of memory earlier captures of the pool wrote
-        body = IsolatingBody(body, x.engine, pool, _released_outputs(program, st.index))
+    released = _released_outputs(program, st.index)
+    every_output_released = st.warmed and len(st.output_meta) <= len(released)
+    if x.engine.isolates_outputs and not every_output_released:  # outputs out of memory others write
+        body = IsolatingBody(body, x.engine, pool, released)
     with (
         torch.set_grad_enabled(spec.grad_enabled),
         _te.discover_wgrad_modules(func, st.wgrad_modules) if discover else contextlib.nullcontext(),
