@@ -295,6 +295,11 @@ class Engine(abc.ABC):
         return None
 
 
+#: Addresses of blocks a capture held only to keep them from an allocation (no kernel writes
+#: them), as the CUDA engine allocated them: the debug recorder's write sets leave them out.
+HELD_ADDRESSES: set[int] = set()
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA
 # ---------------------------------------------------------------------------------------------
@@ -335,20 +340,27 @@ class CudaEngine(Engine):
 
     name = "cuda"
     pool_keeps_released_memory = True
-    isolates_outputs = True
 
     def __init__(
         self,
         device: torch.device | int | str | None = None,
         generators: Sequence[torch.Generator] = (),
         stream: torch.cuda.Stream | None = None,
+        isolate_outputs: bool = False,
     ) -> None:
         """``device``: the CUDA device of the captures (default: the current one).
         ``generators``: extra CUDA generators captures must carry (besides the default one, e.g.
         a tensor-parallel RNG tracker's). ``stream``: the side stream for warmup and capture
         (default: a new one); pass the stream a DistributedDataParallel model was constructed
-        under (DDP's gradient accumulators record their stream at creation)."""
+        under (DDP's gradient accumulators record their stream at creation).
+        ``isolate_outputs``: keep static outputs, and the default schedule's weight-gradient
+        graphs, out of memory other graphs of the pool write (:mod:`gograph._isolation`). Off by
+        default for now: each output it moves takes a new segment of its own, which the memory
+        plan does not predict yet."""
         super().__init__()
+        if not isinstance(isolate_outputs, bool):
+            raise TypeError(f"CudaEngine: isolate_outputs must be a bool, got {type(isolate_outputs).__name__}")
+        self.isolates_outputs = isolate_outputs
         if not _native.cuda_available():
             raise RuntimeError(
                 "gograph: the CUDA engine needs the cuda flavor of the Go core, which is not loaded: "
@@ -485,6 +497,8 @@ class CudaEngine(Engine):
             if not sizes:
                 break
             held += [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        # no kernel writes them: the debug recorder leaves them out of the graph's writes
+        HELD_ADDRESSES.update(int(t.data_ptr()) for t in held)
         return held
 
     def release_hold(self, hold: Any) -> None:
@@ -723,7 +737,11 @@ class EagerEngine(Engine):
     name = "eager"
 
     def __init__(
-        self, dry_run: bool = False, generators: Sequence[torch.Generator] = (), pool_model: bool = False
+        self,
+        dry_run: bool = False,
+        generators: Sequence[torch.Generator] = (),
+        pool_model: bool = False,
+        isolate_outputs: bool = False,
     ) -> None:
         """``dry_run``: captures refuse what a CUDA capture cannot contain (host reads, syncs,
         device-to-host copies, draws from a generator the capture does not carry), with
@@ -733,25 +751,29 @@ class EagerEngine(Engine):
         (``CudaEngine(generators=...)``: a tensor-parallel RNG tracker's); a dry run refuses a
         random op that draws from any other.
         ``pool_model``: model CUDA's graph pools (:mod:`gograph._poolmodel`): each capture's
-        blocks are placed as CUDA's caching allocator would place them, a replay overwrites what
-        the graph's replay would overwrite on CUDA (another graph's output or saved activations in
-        a block it writes), and static outputs are kept out of such blocks as the CUDA engine
-        keeps them. Off by default (it costs a dispatch hook per op while capturing)."""
+        blocks are placed as CUDA's caching allocator would place them, and a replay overwrites
+        what the graph's replay would overwrite on CUDA (another graph's output or saved
+        activations in a block it writes). Off by default (it costs a dispatch hook per op while
+        capturing). ``isolate_outputs`` (with the model): what ``CudaEngine(isolate_outputs=True)``
+        does, modelled: static outputs and the default schedule's weight-gradient graphs kept out
+        of memory other graphs write."""
         super().__init__()
         if not isinstance(dry_run, bool):
             raise TypeError(f"EagerEngine: dry_run must be a bool, got {type(dry_run).__name__}")
-        if not isinstance(pool_model, bool):
-            raise TypeError(f"EagerEngine: pool_model must be a bool, got {type(pool_model).__name__}")
+        for name, value in (("pool_model", pool_model), ("isolate_outputs", isolate_outputs)):
+            if not isinstance(value, bool):
+                raise TypeError(f"EagerEngine: {name} must be a bool, got {type(value).__name__}")
         if not all(isinstance(g, torch.Generator) for g in generators):
             raise TypeError("EagerEngine: generators must be torch.Generator objects")
         self.dry_run = dry_run
         self._generators = tuple(generators)
         self._passes: dict[int, _EagerPassRecord] = {}
         self.pool_model: PoolModel | None = PoolModel() if pool_model else None
-        self.isolates_outputs = pool_model
+        self.isolates_outputs = pool_model and isolate_outputs
 
     def __repr__(self) -> str:
-        opts = [name for name, on in (("dry_run", self.dry_run), ("pool_model", self.pool_model)) if on]
+        flags = (("dry_run", self.dry_run), ("pool_model", self.pool_model), ("isolate_outputs", self.isolates_outputs))
+        opts = [name for name, on in flags if on]
         return f"EagerEngine({', '.join(f'{o}=True' for o in opts)})"
 
     def new_pool(self) -> Hashable:

@@ -164,3 +164,23 @@ def test_sample_kwargs_given_twice_is_refused():
         gograph.make_graphed_callables(
             _Scaled(), (torch.randn(2, 4),), 3, False, {"scale": torch.ones(1)}, sample_kwargs={"scale": torch.ones(1)}
         )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: gograph.EagerEngine(pool_model="yes"), r"EagerEngine: pool_model must be a bool, got str"),
+        (lambda: gograph.EagerEngine(pool_model=True, isolate_outputs=1), r"isolate_outputs must be a bool, got int"),
+        (lambda: gograph.CudaEngine(isolate_outputs="yes"), r"CudaEngine: isolate_outputs must be a bool, got str"),
+    ],
+    ids=["pool_model", "eager-isolate_outputs", "cuda-isolate_outputs"],
+)
+def test_engine_flags_refuse_other_values(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_isolation_is_modelled_only_with_the_pool_model():
+    assert not gograph.EagerEngine(isolate_outputs=True).isolates_outputs  # no pool: nothing to keep apart
+    engine = gograph.EagerEngine(pool_model=True, isolate_outputs=True)
+    assert engine.isolates_outputs and repr(engine) == "EagerEngine(pool_model=True, isolate_outputs=True)"

@@ -43,6 +43,9 @@ def _reserved(device: torch.device) -> int:
         return 0
     torch.cuda.synchronize(device)
     gc.collect()
+    # cuBLAS keeps a workspace per (handle, stream), 64 MiB on an H100, until cleared: a case with
+    # an engine of its own (a side stream of its own) makes one that is torch's cache, not a leak
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     return int(torch.cuda.memory_reserved(device))
 
@@ -57,14 +60,19 @@ class _Run:
     violations: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # what the case exercised (hypothesis statistics)
     pool_model: bool = False  # the eager engine models CUDA's graph pools (gograph._poolmodel)
+    # static outputs kept out of memory other graphs write: CudaEngine(isolate_outputs=True) on
+    # CUDA, modelled with the pool model on the CPU
+    isolate: bool = False
 
     def __post_init__(self) -> None:
         self.data = Data(self.case.seed, self.device)
-        self.engine: EagerEngine | None = None
+        self.engine: EagerEngine | gograph.CudaEngine | None = None
         if self.device.type == "cpu" and self.case.clone_param_grads:
-            self.engine = ScribblingEagerEngine(pool_model=self.pool_model)
+            self.engine = ScribblingEagerEngine(pool_model=self.pool_model, isolate_outputs=self.isolate)
         elif self.device.type == "cpu" and self.pool_model:
-            self.engine = EagerEngine(pool_model=True)
+            self.engine = EagerEngine(pool_model=True, isolate_outputs=self.isolate)
+        elif self.device.type == "cuda" and self.isolate:
+            self.engine = gograph.CudaEngine(self.device, isolate_outputs=True)
 
     # -- what subclasses provide ------------------------------------------------------------
     def make(self) -> None:
@@ -382,13 +390,16 @@ def _to(c: Any, device: torch.device) -> Any:
     return c.to(device) if isinstance(c, torch.nn.Module) else c
 
 
-def run_case(case: Case, device: torch.device, events: list[str] | None = None, pool_model: bool = False) -> list[str]:
+def run_case(
+    case: Case, device: torch.device, events: list[str] | None = None, pool_model: bool = False, isolate: bool = False
+) -> list[str]:
     """Runs ``case`` on ``device`` (the eager engine on the CPU, modelling CUDA's graph pools with
-    ``pool_model``); returns what the oracles found, and appends to ``events`` what the case
-    exercised."""
+    ``pool_model``); ``isolate`` keeps static outputs out of memory other graphs write
+    (``CudaEngine(isolate_outputs=True)``, and its model with ``pool_model``). Returns what the
+    oracles found, and appends to ``events`` what the case exercised."""
     passes = gograph.live_passes()
     kind = _DefaultRun if case.pipeline is None else _PipelineRun
-    run: _Run = kind(case, device, pool_model=pool_model)
+    run: _Run = kind(case, device, pool_model=pool_model, isolate=isolate)
     try:
         violations = run.run()
     finally:

@@ -28,8 +28,8 @@ class ScribblingEagerEngine(EagerEngine):
     """The eager engine, scribbling over parameter-gradient buffers a replay may overwrite.
     Call :meth:`watch` with the graphed callables of a build once it returned."""
 
-    def __init__(self, pool_model: bool = False) -> None:
-        super().__init__(pool_model=pool_model)
+    def __init__(self, pool_model: bool = False, isolate_outputs: bool = False) -> None:
+        super().__init__(pool_model=pool_model, isolate_outputs=isolate_outputs)
         self._seq: dict[tuple[int, int], int] = {}
         self._watched: dict[int, weakref.ref[Any]] = {}  # pass id -> its graphed callable
         self.scribbled = 0

@@ -6,7 +6,9 @@ where the two verdicts differ.
 
 A case that failed on CUDA must fail here too (the model reproduces the pool), and one that passed
 must pass; each difference is printed with both verdicts. ``--plain`` replays on the plain eager
-engine instead (no pool), for comparison. Exit status: the number of differing cases (0: agree).
+engine instead (no pool), for comparison. Each case runs with output isolation as its GPU run did
+(the log's ``isolate``; a log without it is from before ``CudaEngine(isolate_outputs=...)``, which
+did not isolate). Exit status: the number of differing cases (0: agree).
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ from _fuzz_config import Case, Layer, Pipeline  # noqa: E402
 def verdicts(path: str, pool_model: bool) -> tuple[int, list[str]]:
     """(cases replayed, differences) for the log at ``path``; each case once (hypothesis reruns
     a failing one while it shrinks)."""
-    seen: dict[str, bool] = {}
+    seen: dict[str, tuple[bool, bool]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
-            seen.setdefault(row["case"], bool(row["violations"]))
+            # a log without "isolate" is from before CudaEngine(isolate_outputs=...)
+            seen.setdefault(row["case"], (bool(row["violations"]), bool(row.get("isolate", False))))
     diffs = []
-    for text, failed_on_gpu in seen.items():
+    for text, (failed_on_gpu, isolate) in seen.items():
         case = eval(text, {"Case": Case, "Layer": Layer, "Pipeline": Pipeline})  # the log's own repr
-        got = run_case(case, torch.device("cpu"), pool_model=pool_model)
+        got = run_case(case, torch.device("cpu"), pool_model=pool_model, isolate=isolate)
         if bool(got) != failed_on_gpu:
             diffs.append(f"{text}\n  GPU: {'failed' if failed_on_gpu else 'passed'}; CPU: {got or 'passed'}")
     return len(seen), diffs

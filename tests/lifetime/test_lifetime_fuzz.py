@@ -67,7 +67,8 @@ def _check(case: Case, device: torch.device, pool_model: bool = False) -> None:
     note(describe(case))
     note(repr(case))
     events: list[str] = []
-    violations = run_case(case, device, events, pool_model=pool_model)
+    # outputs isolated: the class it prevents is known (POOL_FIXES); the fuzzer hunts the others
+    violations = run_case(case, device, events, pool_model=pool_model, isolate=True)
     for e in sorted(set(events)):
         event(e)
     _log_verdict(case, violations)
@@ -80,7 +81,7 @@ def _log_verdict(case: Case, violations: list[str]) -> None:
     path = os.environ.get("GOGRAPH_FUZZ_LOG")
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"case": repr(case), "violations": violations}) + "\n")
+            f.write(json.dumps({"case": repr(case), "violations": violations, "isolate": True}) + "\n")
 
 
 @pytest.mark.one_python
@@ -232,7 +233,7 @@ KNOWN: dict[str, Case] = {
 @pytest.mark.parametrize("pool_model", [False, True], ids=["eager", "pool-model"])
 @pytest.mark.parametrize("case", KNOWN.values(), ids=KNOWN)
 def test_known_lifetime_cases_eager_engine(case: Case, pool_model: bool, frozen_heap: None) -> None:
-    violations = run_case(case, torch.device("cpu"), pool_model=pool_model)
+    violations = run_case(case, torch.device("cpu"), pool_model=pool_model, isolate=True)
     assert not violations, describe(case) + "\n" + "\n".join(violations)
 
 
@@ -241,21 +242,32 @@ POOL_FIXES = {
     "an evaluation output of a build without warmup outlives another callable's forward": "outputs",
     "a training output of a build without warmup outlives the next micro-batch's first forward": "outputs",
     "backward_dw() after the step's backwards, with chained buffers": "wgrad",
+    "backward_dw() while the dropped .grad is still held": "outputs",
 }
 
 
 @pytest.mark.parametrize("name", POOL_FIXES, ids=list(POOL_FIXES))
-def test_pool_model_sees_what_the_fix_prevents(name: str, monkeypatch: pytest.MonkeyPatch, frozen_heap: None) -> None:
-    """With the fix undone (static outputs left where their capture put them; the weight
-    gradient captured among the other graphs), the pool model shows the wrong value CUDA gives;
-    the plain eager engine, which has no pool, does not."""
+def test_pool_model_sees_what_the_fix_prevents(name: str, frozen_heap: None) -> None:
+    """Without isolation (the CUDA engine's default: static outputs left where their capture put
+    them, the weight gradient captured among the other graphs), the pool model shows the wrong
+    value CUDA gives; the plain eager engine, which has no pool, does not."""
+    case = KNOWN[name]
+    assert run_case(case, torch.device("cpu")) == []
+    assert run_case(case, torch.device("cpu"), pool_model=True, isolate=True) == []
+    assert any(v.startswith(("canary:", "values:")) for v in run_case(case, torch.device("cpu"), pool_model=True))
+
+
+@pytest.mark.parametrize("name", POOL_FIXES, ids=list(POOL_FIXES))
+def test_each_fix_is_what_prevents_it(name: str, monkeypatch: pytest.MonkeyPatch, frozen_heap: None) -> None:
+    """With isolation asked for but its fix undone (the output copy; the weight gradient's own
+    memory), the wrong value is back: the fix is what keeps the value, not some other effect of
+    the option."""
     if POOL_FIXES[name] == "outputs":
         monkeypatch.setattr(_isolation.IsolatingBody, "__call__", _no_isolation)
     else:
         monkeypatch.setattr(_captures, "_wgrad_memory", lambda x, pool: contextlib.nullcontext())
-    case = KNOWN[name]
-    assert run_case(case, torch.device("cpu")) == []
-    assert any(v.startswith(("canary:", "values:")) for v in run_case(case, torch.device("cpu"), pool_model=True))
+    violations = run_case(KNOWN[name], torch.device("cpu"), pool_model=True, isolate=True)
+    assert any(v.startswith(("canary:", "values:")) for v in violations)
 
 
 def _no_isolation(self: Any, *args: Any) -> tuple[Any, ...]:
@@ -263,14 +275,30 @@ def _no_isolation(self: Any, *args: Any) -> tuple[Any, ...]:
     return tuple(self.body(*args))
 
 
+#: On the CUDA engine the fixes are opt-in for now (``CudaEngine(isolate_outputs=True)``): the
+#: default engine still gives these cases' wrong values, which the pool model shows on the CPU.
+_OPEN_BY_DEFAULT_ON_CUDA = pytest.mark.xfail(
+    strict=True, reason="fixed on CUDA only with CudaEngine(isolate_outputs=True), off by default"
+)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "case",
-    KNOWN.values(),
+    [pytest.param(c, marks=_OPEN_BY_DEFAULT_ON_CUDA) if n in POOL_FIXES else c for n, c in KNOWN.items()],
     ids=KNOWN,
 )
 def test_known_lifetime_cases_cuda_engine(
     case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
 ) -> None:
-    violations = run_case(case, cuda_device)
+    violations = run_case(case, cuda_device)  # the default engine: no isolation
     assert not violations, describe(case) + "\n" + "\n".join(violations)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", POOL_FIXES, ids=list(POOL_FIXES))
+def test_pool_cases_with_isolation_on_cuda(
+    name: str, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
+) -> None:
+    violations = run_case(KNOWN[name], cuda_device, isolate=True)
+    assert not violations, describe(KNOWN[name]) + "\n" + "\n".join(violations)

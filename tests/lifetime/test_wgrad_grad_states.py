@@ -79,6 +79,13 @@ class Observed:
         self.events.append((label, None if g is None else g.detach().clone(), same))
 
 
+def _dense_backward(y: torch.Tensor) -> None:
+    """``y.sum().backward()`` with a dense incoming grad: ``sum()``'s is expanded, which eager's
+    matmul reads with stride 0 and a CUDA graph from its dense static buffer, so cuBLAS picks
+    another kernel and the weight grads differ in their last bits on a GPU."""
+    y.backward(torch.ones_like(y))
+
+
 def _batches(n: int, device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
     return [torch.randn(4, F, generator=gen).to(device).requires_grad_() for _ in range(n)]
@@ -200,7 +207,7 @@ def test_the_issue_minimal_form(device: str, pattern: str, no_tf32: Any) -> None
     opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref)]
     for x in _batches(4, device):
         for call, dw in ((g, g.backward_dw), (ref, ref.backward_dw)):
-            call(x).sum().backward()
+            _dense_backward(call(x))
             dw()
         assert torch.equal(m.weight.grad, ref.weight.grad)  # type: ignore[arg-type]
         for opt in opts:
@@ -221,9 +228,9 @@ def test_kept_target_replays_alone(device: str, no_tf32: Any) -> None:
     x = _batches(1, device)[0]
     counts = []
     for call, dw in ((graphed, graphed.backward_dw), (ref, ref.backward_dw)):
-        call(x).sum().backward()  # the first, from None: the graph's target zeroed and lent to .grad
+        _dense_backward(call(x))  # the first, from None: the graph's target zeroed and lent to .grad
         dw()
-        call(x).sum().backward()
+        _dense_backward(call(x))
         with _Ops() as ops:
             dw()  # the second: .grad kept, the tensor the graph adds into
         counts.append(ops.names)
@@ -350,7 +357,7 @@ def test_main_grad_replaced_or_none_trains_like_eager(device: str, no_tf32: Any)
             m.weight.main_grad = torch.full_like(m.weight, float(step))  # type: ignore[attr-defined]
         before = captured.clone()
         for call, dw in ((graphed, graphed.backward_dw), (ref, ref.backward_dw)):
-            call(x).sum().backward()
+            _dense_backward(call(x))
             dw()
         assert torch.equal(mod.weight.main_grad, ref.weight.main_grad)  # type: ignore[attr-defined]
         assert torch.equal(captured, before), "the buffer the caller replaced changed"
@@ -386,7 +393,7 @@ def test_main_grad_created_by_a_capture_without_warmup(device: str, drop: str, n
     assert not hasattr(mod.weight, "main_grad"), "graphing left a main_grad behind"
     for step, x in enumerate(_batches(4, device)):
         for call, dw, m in ((graphed, graphed.backward_dw, mod), (ref, ref.backward_dw, ref)):
-            call(x).sum().backward()
+            _dense_backward(call(x))
             dw()
             if drop == "delattr" and step % 2:
                 del m.weight.main_grad
@@ -406,12 +413,12 @@ def test_a_grad_the_gradient_cannot_be_added_into_is_refused(device: str) -> Non
     mod.weight.main_grad = torch.zeros_like(mod.weight)  # type: ignore[attr-defined]
     graphed = gograph.make_graphed_callables(mod, (torch.randn(4, F, device=device, requires_grad=True),))
     target = mod.weight.main_grad  # type: ignore[attr-defined]
-    graphed(_batches(1, device)[0]).sum().backward()
+    _dense_backward(graphed(_batches(1, device)[0]))
     graphed.backward_dw()
     wrong = torch.ones(2, F, device=device)
     mod.weight.main_grad = wrong  # type: ignore[attr-defined]
     before = target.clone()
-    graphed(_batches(1, device)[0]).sum().backward()
+    _dense_backward(graphed(_batches(1, device)[0]))
     with pytest.raises(RuntimeError, match=r"weight\.main_grad is a tensor of shape \(2, 8\).*cannot be added into it"):
         graphed.backward_dw()
     assert torch.equal(wrong, torch.ones(2, F, device=device)) and torch.equal(target, before)
