@@ -19,7 +19,7 @@ median per-round ratio to eager. Arms that cannot run here are listed with the r
   python bench/megatron.py --arms eager,gograph --json out.json
   python bench/megatron.py --cpu-smoke                  # tiny, on the CPU (eager engine): eager, gograph
 
-On the CPU (``--cpu-smoke``) everything runs in this process on tiny sizes, without memory.
+On the CPU (``--cpu-smoke``) the same runs on tiny sizes, without memory.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ except ImportError as e:
         f"{os.path.basename(__file__)} needs Megatron-Core (pip install megatron-core==0.19.2): {e}"
     ) from e
 sys.path.append(_BENCH)
-from megatron_train import ARMS, Run, RunConfig, batches, differences, on_device, prepare, train
+from megatron_train import ARMS, Run, RunConfig, batches, differences, on_device, prepare
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 2**20
@@ -77,7 +77,9 @@ def fresh_trace(cfg: RunConfig, arm: str, workdir: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.join(HERE, "megatron_train.py"), "--arms", arm, "--out", out]
     for f in dataclasses.fields(RunConfig):
         cmd += [f"--{f.name.replace('_', '-')}", str(getattr(cfg, f.name))] if getattr(cfg, f.name) is not None else []
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # this process's rendezvous is listening on its MASTER_PORT: the arm picks a port of its own
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"bench/megatron.py: the {arm} arm failed:\n{proc.stderr[-4000:]}")
     return torch.load(out)[0]  # type: ignore[no-any-return]
@@ -110,14 +112,10 @@ def _sync(cfg: RunConfig) -> None:
         torch.cuda.synchronize()
 
 
-def measure(cfg: RunConfig, arms: list[str], rounds: int, smoke: bool) -> dict[str, Any]:
-    traces: dict[str, dict[str, Any]] = {}
-    if smoke:
-        data = batches(cfg)
-        traces = {arm: dataclasses.asdict(train(cfg, arm, data)) for arm in arms}
-    else:
-        with tempfile.TemporaryDirectory() as workdir:
-            traces = {arm: fresh_trace(cfg, arm, workdir) for arm in arms}
+def measure(cfg: RunConfig, arms: list[str], rounds: int) -> dict[str, Any]:
+    # each arm in a process of its own, the smoke run too: it runs what the GPU run runs
+    with tempfile.TemporaryDirectory() as workdir:
+        traces = {arm: fresh_trace(cfg, arm, workdir) for arm in arms}
     timed = step_times(dataclasses.replace(cfg, steps=max(cfg.steps, cfg.warmup_steps + 2)), arms, rounds)
     result: dict[str, Any] = {}
     for arm in arms:
@@ -170,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         arms.insert(0, "eager")  # the reference of every check and ratio
     with on_device(cfg):
         prepare(cfg, arms)
-        result = measure(cfg, arms, rounds, args.cpu_smoke)
+        result = measure(cfg, arms, rounds)
     torch.distributed.destroy_process_group()
     print(f"Megatron-Core GPT {sizes}, {rounds} rounds x {cfg.steps} steps, {device}")
     print(table(result, skipped))
