@@ -1,11 +1,16 @@
 """PyTorch's own make_graphed_callables tests, run against gograph's drop-in.
 
-The three test methods below are copied unchanged from PyTorch's test/test_cuda.py (class
-TestCuda; BSD-3-Clause, Copyright (c) PyTorch contributors): test_graph_make_graphed_callables,
+The three test methods below are copied unchanged from PyTorch's test/test_cuda.py at the commit
+of torch 2.11.0 (70d99e998b4955e0049d13a98d77ae1b14db1f45; class TestCuda; BSD-3-Clause,
+Copyright (c) PyTorch contributors): test_graph_make_graphed_callables,
 test_graph_make_graphed_callables_parameterless_nograd_module and
-test_graph_make_graphed_callables_same_pool, with their parametrizations and expected failures.
-Only the header differs: ``torch.cuda.make_graphed_callables`` is gograph's unless
-``GOGRAPH_UPSTREAM=torch``.
+test_graph_make_graphed_callables_same_pool, with their parametrizations and expected failures,
+and so are TestCuda's class attributes: every test runs with a fresh non-default stream current
+(``_do_cuda_non_default_stream``), and under ``PYTORCH_TEST_CUDA_MEM_LEAK_CHECK=1`` with PyTorch's
+CUDA memory leak check (``_do_cuda_memory_leak_check``). Only the header differs:
+``torch.cuda.make_graphed_callables`` is gograph's unless ``GOGRAPH_UPSTREAM=torch``, and every
+call logs the stream it was made on (``make_graphed_callables on ... stream``), so a run shows
+which stream the tests graphed on.
 
 This is a script, not a pytest module: importing PyTorch's test utilities freezes the backend
 flags of the whole process (``torch.backends.disable_global_flags()``), so
@@ -26,12 +31,27 @@ from torch.testing._internal.common_utils import (
 if os.environ.get("GOGRAPH_UPSTREAM", "gograph") == "gograph":
     import gograph
 
-    torch.cuda.make_graphed_callables = gograph.make_graphed_callables
-print("make_graphed_callables:", torch.cuda.make_graphed_callables.__module__, file=sys.stderr)
+    _maker = gograph.make_graphed_callables
+else:
+    _maker = torch.cuda.make_graphed_callables
+print("make_graphed_callables:", _maker.__module__, file=sys.stderr)
+
+
+def _logging_maker(*args, **kwargs):
+    stream = torch.cuda.current_stream()
+    which = "the default" if stream == torch.cuda.default_stream() else "a non-default"
+    print(f"make_graphed_callables on {which} stream ({stream.cuda_stream:#x})", file=sys.stderr)
+    return _maker(*args, **kwargs)
+
+
+torch.cuda.make_graphed_callables = _logging_maker
 
 
 @unittest.skipIf(not TEST_CUDA, "CUDA not available, skipping tests")
 class TestCuda(TestCase):
+    _do_cuda_memory_leak_check = True
+    _do_cuda_non_default_stream = True
+
     @unittest.skipIf(
         not TEST_CUDA_GRAPH, "CUDA >= 11.0 or ROCM >= 5.3 required for graphs"
     )
