@@ -154,41 +154,56 @@ def inference_build(case: Case) -> bool:
 
 @st.composite
 def _pipeline_case(draw: st.DrawFn) -> Case:
+    """The schedule first (Megatron-LM's interleaved order, its layers per chunk, inference,
+    shared microbatch graphs), then, in 7 of 8 cases, only the options it admits (the documented
+    refusals of :mod:`_fuzz_refusals` cannot happen: so most pipeline, shared and inference cases
+    build and train); in the rest, any options (each refusal is a case too). A fault is drawn on
+    its own either way."""
     pp = draw(st.integers(1, 2))
     chunks = draw(st.integers(1, 2))
     per_chunk = tuple(draw(st.integers(1, 2)) for _ in range(chunks))
     n = sum(per_chunk)
-    layers = tuple(
-        Layer(kind=draw(st.sampled_from(PIPELINE_KINDS)), input_grad=draw(st.booleans()) or i > 0) for i in range(n)
-    )
     # Megatron-LM's interleaved schedule: at least pipeline_size microbatches, and the last group of
     # pipeline_size (gograph.megatron_order's rule) empty or full -- a multiple of it here.
     microbatches = draw(st.integers(1, 3)) if pp == 1 else pp * draw(st.integers(1, 2))
     passes = n * microbatches
+    inference = draw(st.sampled_from((False, False, False, True)))
+    share = draw(st.booleans())
+    wgrad_entries = draw(st.sampled_from((True, True, True, False)))
+    admitted = draw(st.sampled_from((True,) * 7 + (False,)))
+    faulty = draw(st.sampled_from((False,) * 9 + (True,)))
+    # a delayed weight gradient needs weight-gradient entries, and those one layer per chunk
+    delayed_ok = not admitted or (wgrad_entries and max(per_chunk) == 1)
+    kinds = PIPELINE_KINDS if delayed_ok else tuple(k for k in PIPELINE_KINDS if k not in DELAYED_KINDS)
+    layers = [Layer(kind=draw(st.sampled_from(kinds)), input_grad=draw(st.booleans()) or i > 0) for i in range(n)]
+    if admitted and inference and all(layer.kind == "fn" for layer in layers):
+        layers[0] = Layer(kind="block", input_grad=layers[0].input_grad)  # functions alone build to train
     pipeline = Pipeline(
         pipeline_size=pp,
         rank=draw(st.integers(0, pp - 1)),
         microbatches=microbatches,
         layers=per_chunk,
-        wgrad_entries=draw(st.sampled_from((True, True, True, False))),
+        wgrad_entries=wgrad_entries,
         reset_after=tuple(sorted(draw(st.sets(st.integers(0, passes - 1), max_size=passes)))),
-        inference=draw(st.sampled_from((False, False, False, True))),
+        inference=inference,
     )
-    clone = draw(st.sampled_from((True, True, True, False)))
+    clone = draw(st.sampled_from((True, True, True, False))) or (admitted and share)
+    chain = draw(st.booleans()) and not (admitted and share)
+    reuse = draw(st.booleans()) and not (admitted and inference)
     return Case(
-        layers=layers,
+        layers=tuple(layers),
         pipeline=pipeline,
-        num_warmup_iters=draw(st.integers(0, 3)),
+        num_warmup_iters=draw(st.integers(1 if admitted else 0, 3)),
         hooks=draw(st.booleans()),
-        chain_buffers=draw(st.booleans()),
-        reuse=draw(st.booleans()),
+        chain_buffers=chain,
+        reuse=reuse,
         clone_param_grads=clone,
         allow_unused_input=draw(st.sampled_from((True, True, True, False))),
         debug_replay_order=draw(st.booleans()),
         set_to_none=draw(st.booleans()) or not clone,
         shared_samples=draw(st.booleans()),
-        fault=draw(_fault(n)),
-        share=draw(st.booleans()),
+        fault=draw(_some_fault(n)) if faulty else None,
+        share=share,
         grad_state=draw(_grad_state()),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -199,10 +214,14 @@ def _grad_state() -> st.SearchStrategy[str]:
     return st.sampled_from(("as_is", *GRAD_STATES))
 
 
+def _some_fault(n: int) -> st.SearchStrategy[tuple[int, str, int]]:
+    """The n-th forward or backward of a callable in the build raises."""
+    return st.tuples(st.integers(0, n - 1), st.sampled_from(("forward", "backward")), st.integers(0, 4))
+
+
 def _fault(n: int) -> st.SearchStrategy[tuple[int, str, int] | None]:
-    """Mostly none; else the n-th forward or backward of a callable in the build raises."""
-    some = st.tuples(st.integers(0, n - 1), st.sampled_from(("forward", "backward")), st.integers(0, 4))
-    return st.one_of(st.none(), st.none(), st.none(), st.none(), st.none(), some)
+    """Mostly none; else a fault (:func:`_some_fault`)."""
+    return st.one_of(st.none(), st.none(), st.none(), st.none(), st.none(), _some_fault(n))
 
 
 def cases() -> st.SearchStrategy[Case]:

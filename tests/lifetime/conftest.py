@@ -19,6 +19,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Per fuzz test that ran: how many cases drew each feature, and how many of those were
+    built and trained (the rest: a documented refusal or an injected fault)."""
+    for rep in (*terminalreporter.stats.get("passed", ()), *terminalreporter.stats.get("failed", ())):
+        if getattr(rep, "when", None) != "call":
+            continue
+        for name, counts in rep.user_properties:
+            if name == "fuzz_feature_counts" and counts:
+                parts = [f"{f} {d} (built {b}, {100 * b // max(d, 1)}%)" for f, (d, b) in counts.items()]
+                terminalreporter.write_line(f"{rep.nodeid.rsplit('::', 1)[-1]} feature counts: {'; '.join(parts)}")
+
+
 def _warm_up(device: torch.device) -> None:
     """A few cases of every program shape: what torch and hypothesis make lazily on first use
     (modules, registrations, caches: ~100k objects) exists before the heap is frozen."""

@@ -63,7 +63,28 @@ _SETTINGS = {
 }
 
 
-def _check(case: Case, device: torch.device, pool_model: bool = False) -> None:
+@pytest.fixture
+def feature_counts(request: pytest.FixtureRequest) -> dict[str, list[int]]:
+    """Per feature of the cases a fuzz test drew (``FEATURES``): [drawn, built and trained]. Kept
+    with the test's report; the run's terminal summary prints them (conftest.py)."""
+    counts: dict[str, list[int]] = {}
+    request.node.user_properties.append(("fuzz_feature_counts", counts))
+    return counts
+
+
+def _features(case: Case) -> list[str]:
+    """The features a case drew, for the counts: every case, and the newest builds."""
+    found = ["cases"]
+    if case.pipeline is not None:
+        found.append("pipeline")
+        found += ["share"] if case.share else []
+        found += ["inference"] if case.pipeline.inference else []
+    return found
+
+
+def _check(
+    case: Case, device: torch.device, counts: dict[str, list[int]] | None = None, pool_model: bool = False
+) -> None:
     note(describe(case))
     note(repr(case))
     events: list[str] = []
@@ -71,6 +92,11 @@ def _check(case: Case, device: torch.device, pool_model: bool = False) -> None:
     violations = run_case(case, device, events, pool_model=pool_model, isolate=True)
     for e in sorted(set(events)):
         event(e)
+    if counts is not None:
+        for feature in _features(case):
+            drawn_built = counts.setdefault(feature, [0, 0])
+            drawn_built[0] += 1
+            drawn_built[1] += "built" in events
     _log_verdict(case, violations)
     assert not violations, "\n".join(violations)
 
@@ -88,18 +114,18 @@ def _log_verdict(case: Case, violations: list[str]) -> None:
 @seed(SEED)
 @settings(max_examples=int(CASES or 300), **_SETTINGS)
 @given(case=cases())
-def test_lifetime_fuzz_eager_engine(case: Case, frozen_heap: None) -> None:
-    _check(case, torch.device("cpu"))
+def test_lifetime_fuzz_eager_engine(case: Case, frozen_heap: None, feature_counts: dict[str, list[int]]) -> None:
+    _check(case, torch.device("cpu"), feature_counts)
 
 
 @pytest.mark.one_python
 @seed(SEED)
 @settings(max_examples=int(CASES or 300), **_SETTINGS)
 @given(case=cases())
-def test_lifetime_fuzz_pool_model(case: Case, frozen_heap: None) -> None:
+def test_lifetime_fuzz_pool_model(case: Case, frozen_heap: None, feature_counts: dict[str, list[int]]) -> None:
     """The eager engine modelling CUDA's graph pools: what a replay overwrites on CUDA is
     overwritten here too, so the oracles see the wrong values only the pool makes."""
-    _check(case, torch.device("cpu"), pool_model=True)
+    _check(case, torch.device("cpu"), feature_counts, pool_model=True)
 
 
 @pytest.mark.cuda
@@ -107,9 +133,13 @@ def test_lifetime_fuzz_pool_model(case: Case, frozen_heap: None) -> None:
 @settings(max_examples=int(CASES or 500), **_SETTINGS)
 @given(case=cases())
 def test_lifetime_fuzz_cuda_engine(
-    case: Case, cuda_device: torch.device, no_tf32: None, frozen_heap_cuda: None
+    case: Case,
+    cuda_device: torch.device,
+    no_tf32: None,
+    frozen_heap_cuda: None,
+    feature_counts: dict[str, list[int]],
 ) -> None:
-    _check(case, cuda_device)
+    _check(case, cuda_device, feature_counts)
 
 
 #: Shrunk cases the fuzzer found (each fails on a bug it found), and a few that exercise the oracles'
