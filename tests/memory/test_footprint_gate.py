@@ -85,11 +85,21 @@ def test_the_pipeline_build_is_flat_in_the_microbatch_count() -> None:
         assert RECORDS[(PIPELINE, arm, "8")] == RECORDS[(PIPELINE, arm, "64")], arm
 
 
-def test_the_gate_sees_a_first_step_that_packs_its_grad_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+GRAPHED_CELLS = sorted(k for k in RECORDS if k[0] != PIPELINE and k[1] != "eager")
+
+
+@pytest.mark.parametrize(("workload", "arm", "mode"), GRAPHED_CELLS, ids=["-".join(c) for c in GRAPHED_CELLS])
+def test_the_gate_sees_a_first_step_that_packs_its_grad_copies(
+    monkeypatch: pytest.MonkeyPatch, workload: str, arm: str, mode: str
+) -> None:
     """The layout that raised every chain cell (one packed allocation per backward for the first
-    step's owned copies) would fail the gate: the model sees what it cost on the GPU."""
+    step's owned copies) fails the gate in every cell that owns copies: the model sees what it cost
+    on the GPU (chain: +198 / +326 MiB as an H200 measured; blocks: +42 MiB, 1 %, which a tolerance
+    of 1 % let through). Cells whose grads are lent own no copies and must not move."""
     packed = gograph.graphed.owned_copies
     monkeypatch.setattr(gograph.graphed, "owned_copies", lambda grads, natural=False: packed(grads, False))
-    recorded, _ = RECORDS[("chain", "gograph", "zero")]
-    got = _model().run_cell("chain", "gograph", "zero")["peak_reserved"]
-    assert got > recorded, f"packed copies modelled at {got / MiB:.0f} MiB"
+    got = _figures(_model().run_cell(workload, arm, mode))
+    if "lend_param_grads=true" in arm:
+        assert got == RECORDS[(workload, arm, mode)], "lent grads: no copies to pack"
+    else:
+        assert got != RECORDS[(workload, arm, mode)], f"packed copies modelled at {got[0] / MiB:.0f} MiB, as recorded"
