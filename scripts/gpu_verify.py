@@ -1,7 +1,8 @@
 """Every GPU check and benchmark of the project in one run that fits ten minutes on one H100.
 
 Parts, each under its own time limit (a slow part is stopped and reported; the others still run),
-in this order: side by side, the cuda test suite, the CUDA lifetime fuzzer and the pipeline rank
+in this order: side by side, the cuda test suite, PyTorch's own make_graphed_callables tests (their
+log shows the stream of every call), the CUDA lifetime fuzzer and the pipeline rank
 at 32 and 64 microbatches (correctness, and memory figures that torch counts per process, so
 sharing the GPU changes none of them; their schedule times are not comparisons), then one at a
 time the pipeline rank at 8 and 16 microbatches in every buffer mode, Megatron-Core, data-parallel
@@ -113,8 +114,16 @@ def parts(out: Path, seed: int, cases: int) -> list[Part]:
     return [
         Part(
             "suite",
-            [*suite, "tests", "-n", "6", "-k", "not fuzz_cuda"],
+            [*suite, "tests", "-n", "6", "-k", "not fuzz_cuda", "--ignore", "tests/upstream"],
             [*suite, "tests/cuda/test_cuda.py"],
+            180,
+            _pytest_counts,
+            group=1,
+        ),
+        Part(  # PyTorch's own tests, their log kept: the stream each call was made on
+            "upstream",
+            [*suite, "tests/upstream", "-s"],
+            None,
             180,
             _pytest_counts,
             group=1,
