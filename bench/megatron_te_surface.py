@@ -147,4 +147,24 @@ def provide() -> bool:
         setattr(cuda_graphs, name, value)
     cuda_graphs.HAVE_TE_GRAPHS = True
     importlib.import_module("megatron.core.utils")._te_version = None  # read the surface's version
+    _rng_tracker_class()
     return True
+
+
+class TECudaRNGStatesTracker:
+    """No RNG tracker is TransformerEngine's (placeholder for Megatron's ``isinstance`` check)."""
+
+
+def _rng_tracker_class() -> None:
+    """With ``HAVE_TE_GRAPHS`` set, Megatron's own ``CudaGraphManager`` (``cuda_graph_impl="local"``)
+    asserts ``isinstance(rng_tracker, TECudaRNGStatesTracker)``, importing the class from
+    ``megatron.core.extensions.transformer_engine``; without TransformerEngine that import may
+    fail (the class is then None and ``isinstance`` raises TypeError) or give a mock. A class no
+    tracker is an instance of keeps the check what it is without TransformerEngine: False."""
+    name = "megatron.core.extensions.transformer_engine"
+    try:
+        ext = importlib.import_module(name)
+    except ImportError:
+        ext = _module(name)
+    if not isinstance(getattr(ext, "TECudaRNGStatesTracker", None), type):
+        ext.TECudaRNGStatesTracker = TECudaRNGStatesTracker  # type: ignore[attr-defined]

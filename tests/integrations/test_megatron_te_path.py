@@ -9,6 +9,8 @@ and seeds."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from megatron_runs import assert_trains_like_eager, needs_megatron, train
@@ -66,3 +68,23 @@ def _words(label: str) -> set[str]:
     inner = label[label.index("[") + 1 : -1]
     parts = inner.split()
     return {f"{a} {b}" for a, b in zip(parts[::2], parts[1::2])}
+
+
+def test_the_surface_leaves_megatrons_own_graphs_a_tracker_check() -> None:
+    """Megatron's own CudaGraphManager (``cuda_graph_impl="local"``) asserts, once
+    ``HAVE_TE_GRAPHS`` is set, ``isinstance(rng_tracker, TECudaRNGStatesTracker)`` with the class
+    from ``megatron.core.extensions.transformer_engine``: with the surface in place that is a class
+    Megatron's own tracker is not an instance of (not None: ``isinstance`` would raise)."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    code = (
+        "import sys\n"
+        "import megatron.core.transformer.cuda_graphs as cg\n"
+        f"sys.path.append({str(bench)!r})  # after Megatron: bench/megatron.py is not the package\n"
+        "from megatron_te_surface import provide\n"
+        "assert provide() and cg.HAVE_TE_GRAPHS\n"
+        "from megatron.core.extensions.transformer_engine import TECudaRNGStatesTracker as T\n"
+        "from megatron.core.tensor_parallel.random import CudaRNGStatesTracker\n"
+        "assert isinstance(T, type) and not isinstance(CudaRNGStatesTracker(), T), T\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
