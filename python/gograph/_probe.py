@@ -27,7 +27,7 @@ from . import _plan, _torch
 from ._exec import Executor, Hooks, ProgramKind
 from ._state import PassState
 from ._wire import CaptureProgram, Op, Trace
-from .engines import CudaEngine, Engine
+from .engines import HELD, CudaEngine, Engine
 
 __all__ = [
     "AllocationTrace",
@@ -118,14 +118,22 @@ class AllocationTrace(WarmupSizes):
             "all", context=None, stacks="python", device=self.device, clear_history=True, skip_actions=_SKIP
         )
         self._base = len(self._device_entries())
+        HELD.position, HELD.spans = self._position, []
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.entries = self._device_entries()[self._base :]
             self.marks = [m - self._base for m in self.marks]
+            for start, end in HELD.spans:  # the engine's holds: allocations no kernel writes
+                for e in self.entries[max(start - self._base, 0) : max(end - self._base, 0)]:
+                    e["held"] = True
         finally:
+            HELD.position, HELD.spans = None, []
             torch.cuda.memory._record_memory_history(None, device=self.device)
+
+    def _position(self) -> int:
+        return len(self._device_entries())
 
     @contextlib.contextmanager
     def program(self, build: Executor, kind: ProgramKind, ops: Sequence[Op]) -> Iterator[None]:

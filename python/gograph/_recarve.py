@@ -30,7 +30,7 @@ from ._poolmodel import PoolModel
 from ._probe import AllocationTrace, RecordingHooks, op_spans
 from ._state import PassState
 from ._wire import Op
-from .engines import HELD_ADDRESSES, CudaEngine, EagerEngine
+from .engines import CudaEngine, EagerEngine
 
 __all__ = ["CaptureRecorder", "DebugRecorder", "send", "specs"]
 
@@ -125,7 +125,7 @@ def specs(rec: CaptureRecorder, ops: Sequence[Op], states: Sequence[PassState]) 
             action, addr, size = e.get("action"), int(e.get("addr", 0)), int(e.get("size", 0))
             if action == "alloc" and g is not None:
                 live[addr] = (size, g)
-                if addr not in HELD_ADDRESSES:  # a block held from an allocation: no kernel writes it
+                if not e.get("held"):  # a block held from an allocation: no kernel writes it
                     out[g]["writes"].append((addr, addr + max(size, 1)))
             elif action == "free_completed":
                 live.pop(addr, None)

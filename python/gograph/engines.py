@@ -295,9 +295,19 @@ class Engine(abc.ABC):
         return None
 
 
-#: Addresses of blocks a capture held only to keep them from an allocation (no kernel writes
-#: them), as the CUDA engine allocated them: the debug recorder's write sets leave them out.
-HELD_ADDRESSES: set[int] = set()
+class HeldSpans:
+    """Where, in the allocator history a debug recorder is recording, the CUDA engine allocated
+    blocks only to hold them from other allocations (no kernel writes them): the recorder leaves
+    those allocations out of the graph's writes. Positions, not addresses: a block held once is
+    an ordinary block of a later allocation at the same address. ``position`` (set by the
+    recorder while it records) gives the history's current length."""
+
+    def __init__(self) -> None:
+        self.position: Callable[[], int] | None = None
+        self.spans: list[tuple[int, int]] = []  # [start, end) positions of the holds' allocations
+
+
+HELD = HeldSpans()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,13 +502,15 @@ class CudaEngine(Engine):
     def _take_free(self, pool: Hashable) -> list[torch.Tensor]:
         held: list[torch.Tensor] = []
         stream = int(self.stream.cuda_stream)
+        position = HELD.position
+        start = position() if position is not None else 0
         for _ in range(HOLD_ROUNDS):
             sizes = hold_requests(_torch.pool_free_blocks(self.device_index, pool, stream))
             if not sizes:
                 break
             held += [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        # no kernel writes them: the debug recorder leaves them out of the graph's writes
-        HELD_ADDRESSES.update(int(t.data_ptr()) for t in held)
+        if position is not None:  # no kernel writes them: the debug recorder leaves them out
+            HELD.spans.append((start, position()))
         return held
 
     def release_hold(self, hold: Any) -> None:

@@ -258,3 +258,30 @@ def test_a_watched_graph_the_core_forgot_is_dropped() -> None:
     assert not WATCH.watches(987654321, 0)
     a.reset()
     b.reset()
+
+
+def test_a_hold_is_left_out_of_the_writes_only_where_it_was_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA engine holds free blocks (allocations no kernel writes) while a capture runs: the
+    recorder marks those allocations by their place in the history, so a later capture's block at
+    a once-held address is a write again (held addresses kept for the process made a backward's
+    read of what its forward saved look unwritten, on the GPU)."""
+    history: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(_recarve.CaptureRecorder, "_device_entries", lambda self: list(history))
+    history.append({"action": "alloc", "addr": 0x9000, "size": 64})  # before the recording
+    with _recarve.CaptureRecorder(torch.device("cuda", 0)) as rec:
+        history.append({"action": "alloc", "addr": 0x1000, "size": 64})  # F0's output
+        position = gograph.engines.HELD.position
+        assert position is not None
+        start = position()
+        history.append({"action": "alloc", "addr": 0x2000, "size": 64})  # held by F0's capture
+        gograph.engines.HELD.spans.append((start, position()))
+        history.append({"action": "free_completed", "addr": 0x2000, "size": 64})  # the hold released
+        history.append({"action": "alloc", "addr": 0x2000, "size": 64})  # F1: what it saves
+    assert gograph.engines.HELD.position is None and not gograph.engines.HELD.spans  # nothing outside a recording
+    assert [bool(e.get("held")) for e in rec.entries] == [False, True, False, False]
+    rec.marks = [0, 3, 4]
+    got = _recarve.specs(rec, [Op(CaptureOp("F"), 0), Op(CaptureOp("F"), 1)], [_state(0, 10), _state(1, 11)])
+    assert got[(10, 0)]["writes"] == [(0x1000, 0x1040)]
+    assert got[(11, 0)]["writes"] == [(0x2000, 0x2040)]
