@@ -50,6 +50,29 @@ def _reserved(device: torch.device) -> int:
     return int(torch.cuda.memory_reserved(device))
 
 
+def _segments(device: torch.device) -> dict[int, dict[str, Any]]:
+    """The caching allocator's segments by address (CUDA; none elsewhere)."""
+    if device.type != "cuda":
+        return {}
+    return {int(seg["address"]): seg for seg in torch.cuda.memory_snapshot()}
+
+
+def _new_segments(device: torch.device, before: set[int]) -> str:
+    """The segments reserved since ``before`` and what keeps each (a diagnosis for the liveness
+    message): pool, stream, the blocks still allocated in it."""
+    parts = []
+    for address, seg in _segments(device).items():
+        if address in before:
+            continue
+        held = [b for b in seg["blocks"] if b["state"] != "inactive"]
+        blocks = ", ".join(f"{b['size']} B {b['state']} at {int(b['address']):#x}" for b in held[:6])
+        parts.append(
+            f"{seg['total_size']} B at {address:#x} ({seg['segment_type']}, pool {seg.get('segment_pool_id')}, "
+            f"stream {int(seg['stream']):#x}; {len(held)} block(s) held: {blocks})"
+        )
+    return "; new segments: " + "; ".join(parts) if parts else ""
+
+
 @dataclass(eq=False)
 class _Run:
     """The parts of a case both schedules share; subclasses make the callables, samples and
@@ -63,6 +86,7 @@ class _Run:
     # static outputs kept out of memory other graphs write: CudaEngine(isolate_outputs=True) on
     # CUDA, modelled with the pool model on the CPU
     isolate: bool = False
+    segments_before: set[int] = field(default_factory=set)  # CUDA: the allocator's segments before the build
 
     def __post_init__(self) -> None:
         self.data = Data(self.case.seed, self.device)
@@ -123,6 +147,7 @@ class _Run:
     def run(self) -> list[str]:
         self.make()
         reserved = _reserved(self.device)
+        self.segments_before = set(_segments(self.device))
         before = (gograph.live_passes(), _rng_state(self.device))
         TRACKER.start(cuda=self.device.type == "cuda", fault=self.case.fault)
         result, failure = self._build()
@@ -238,6 +263,7 @@ class _Run:
         if after > before:
             self.violations.append(
                 f"liveness: reserved memory {after} B after every callable was reset, {before} B before the build"
+                f"{_new_segments(self.device, self.segments_before)}"
             )
 
 

@@ -30,7 +30,8 @@ Reproducible: a fixed seed (``GOGRAPH_FUZZ_SEED`` overrides it) and a case count
 (``GOGRAPH_FUZZ_CASES``, default 300 on the CPU, about 10-20 s, and 500 on CUDA; ten times that
 for a soak). A failure prints the shrunk case as the call and loop it stands for, and as a
 ``Case(...)`` to paste into ``KNOWN`` below; ``--hypothesis-show-statistics`` shows what the
-cases exercised.
+cases exercised, and every run ends with a line per fuzz test of how many cases drew a pipeline,
+shared microbatch graphs or an inference build, and how many of those built and trained.
 """
 
 from __future__ import annotations
