@@ -2,9 +2,10 @@
 # Runs on a GPU machine (CPython 3.12, torch 2.11, pytest; no Go needed), in a copy of this repo
 # whose python/gograph/_core_cpu and _core_cuda were built by `make gpu-bundle` (on the GPU machine
 # itself, or on a build machine and copied over with the tree).
-# Usage: bash scripts/gpu-run.sh [tests|alltests] [demo] [summary] [bench] [profile] [pipeline] [companion]
+# Usage: bash scripts/gpu-run.sh [verify] [tests|alltests] [demo] [summary] [bench] [profile] [pipeline] [companion]
 #                                [hostmem] [capture] [footprint] [recv] [floor] [default] [steptime] [plan] [shared] [megatron] [multirank]
-#        (default: tests demo; summary: the measurements of docs/BENCHMARKS.md's summary)
+#        (default: tests demo; summary: the measurements of docs/BENCHMARKS.md's summary; verify:
+#        every GPU check and benchmark in one run of at most nine minutes, scripts/gpu_verify.py)
 # Logs and JSON results go to $OUT when set (default /tmp/gograph-gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ PY
 rc=0
 for w in "${what[@]}"; do
   case "$w" in
+    verify) timeout 570 python3 scripts/gpu_verify.py --out "$out/verify" 2>&1 | tee "$out/verify.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -m cuda tests 2>&1 | tee "$out/pytest-cuda.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     alltests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs tests 2>&1 | tee "$out/pytest-all.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     demo) python3 examples/demo.py 2>&1 | tee "$out/demo.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
@@ -63,7 +65,7 @@ for w in "${what[@]}"; do
     shared) timeout 120 python3 bench/shared_samples.py --json "$out/shared_samples.json" 2>&1 | tee "$out/shared_samples.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     multirank) timeout 500 python3 bench/multirank.py --json "$out/multirank.json" 2>&1 | tee "$out/multirank.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
     megatron) timeout 500 python3 bench/megatron.py --json "$out/megatron.json" 2>&1 | tee "$out/megatron.log"; rc=$(( rc | PIPESTATUS[0] )) ;;
-    *) echo "unknown step $w (tests, alltests, demo, summary, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, megatron, multirank)"; rc=2 ;;
+    *) echo "unknown step $w (verify, tests, alltests, demo, summary, bench, profile, pipeline, companion, hostmem, capture, footprint, recv, floor, default, steptime, plan, shared, megatron, multirank)"; rc=2 ;;
   esac
 done
 echo "gpu-run exit status $rc"
