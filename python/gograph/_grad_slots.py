@@ -191,16 +191,18 @@ def _target_reference(t: Tensor) -> Tensor:
 
 
 def fillers(mods: Sequence[Any]) -> list[tuple[torch.nn.Parameter, Tensor]]:
-    """A zero tensor for each empty ``.grad`` of the modules' parameters that require grad, made
-    before a capture that no warmup preceded: shown to the capture instead of None, it tells
-    what the module does to an existing ``.grad`` (add into it, replace it), which then decides
-    both states (None: assign, the only thing eager does there). Made outside the capture, so that
-    no graph replays its zeroing."""
+    """A zero tensor for each empty ``.grad`` of the modules' parameters, made before a capture
+    that no warmup preceded: shown to the capture instead of None, it tells what the module does
+    to an existing ``.grad`` (add into it, replace it), which then decides both states (None:
+    assign, the only thing eager does there). Frozen parameters too: a ``backward_dw()`` may write
+    their ``.grad`` (autograd does not, and the caller's optimizer may never zero it), and a
+    module that replaces it must not be taken for one that adds into it. Made outside the
+    capture, so that no graph replays its zeroing."""
     return [
         (p, torch.zeros_like(p, memory_format=torch.preserve_format))
         for m in mods
         for p in m.parameters()
-        if p.requires_grad and p.grad is None
+        if p.grad is None
     ]
 
 

@@ -252,6 +252,15 @@ KNOWN: dict[str, Case] = {
         set_to_none=False,
         backward_dw="after",
     ),
+    # A frozen weight got no zero .grad shown to a capture without warmup, so a backward_dw() that
+    # always assigns was taken for one that adds, and the weight's .grad (which the optimizer over
+    # trainable parameters never zeroes) summed every step's gradient
+    "backward_dw() assigns the .grad of a frozen weight, no warmup": Case(
+        layers=(Layer(kind="dw_assign", mode="frozen", input_grad=True),),
+        num_warmup_iters=0,
+        set_to_none=False,
+        backward_dw="after",
+    ),
     "an inference _order whose passes share one input sample": Case(
         layers=(Layer("block"), Layer("block")),
         pipeline=Pipeline(pipeline_size=1, rank=0, microbatches=2, layers=(2,), inference=True),

@@ -196,6 +196,41 @@ def test_without_warmup_a_grad_none_at_capture(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pattern", ["add_or_assign", "assign"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_frozen_weight_whose_grad_backward_dw_writes(
+    device: str, pattern: str, set_to_none: bool, warmup: int, no_tf32: Any
+) -> None:
+    """A frozen weight (``requires_grad=False``) whose ``.grad`` the module's ``backward_dw()``
+    writes anyway, and an optimizer over the trainable parameters only, so ``zero_grad()`` never
+    touches that ``.grad``: eagerly an assigning module replaces it at every call, an
+    add-or-assign one adds into it. Without warmup the capture is shown a zero ``.grad`` for the
+    frozen weight too, so the assigning module is not taken for one that adds (which summed every
+    step's gradient into the one tensor)."""
+    mod = PATTERNS[pattern](F, seed=7).to(device)
+    mod.weight.requires_grad_(False)
+    ref = copy.deepcopy(mod)
+    graphed = gograph.make_graphed_callables(
+        mod, (torch.randn(4, F, device=device, requires_grad=True),), num_warmup_iters=warmup
+    )
+    for m in (mod, ref):
+        m.weight.grad = None  # as eagerly before the first step, whatever the warmup left
+    got, want = [], []
+    for out, call, dw, m in ((got, graphed, graphed.backward_dw, mod), (want, ref, ref.backward_dw, ref)):
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        for x in _batches(3, device):
+            _dense_backward(call(x))
+            dw()
+            out += [m.weight.grad.clone(), m.bias.grad.clone()]  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            out.append(m.bias.detach().clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    graphed.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pattern", ["add_or_assign", "assign"])
 def test_the_issue_minimal_form(device: str, pattern: str, no_tf32: Any) -> None:
     """``.grad`` None when graphing; ``zero_grad()`` (set_to_none=True, torch's default) after
     every step: the graphed module trains bitwise as its eager twin, and the weight-gradient graph
