@@ -231,6 +231,20 @@ def mode_options(mode: str) -> dict[str, bool]:
     return {MODE_OPTIONS[n]: True for n in names}
 
 
+def graph_rank(cfg: Config, layers: list[Layer], samples: list[tuple[torch.Tensor]], mode: str) -> Any:
+    """The rank's layers graphed over ``cfg.order`` in ``mode`` (``mode_options``), one sample
+    tuple per pass (a list, as Megatron-LM and TransformerEngine's callers pass it)."""
+    return gograph.make_graphed_callables(
+        tuple(layers),
+        samples,
+        num_warmup_iters=cfg.warmup_iters,
+        _order=cfg.order,
+        _num_layers_per_chunk=cfg.layers,
+        engine="eager" if cfg.smoke else None,
+        **mode_options(mode),  # type: ignore[arg-type]
+    )
+
+
 def bench_mode(cfg: Config, mode: str) -> dict[str, Any]:
     torch.manual_seed(0)
     layers = [Layer(cfg.hidden, cfg.ffn).to(cfg.device, cfg.dtype) for _ in range(cfg.chunks * cfg.layers)]
@@ -246,15 +260,7 @@ def bench_mode(cfg: Config, mode: str) -> dict[str, Any]:
     ]
     t0 = time.perf_counter()
     try:
-        graphed = gograph.make_graphed_callables(
-            tuple(layers),
-            samples,
-            num_warmup_iters=cfg.warmup_iters,
-            _order=cfg.order,
-            _num_layers_per_chunk=cfg.layers,
-            engine="eager" if cfg.smoke else None,
-            **mode_options(mode),  # type: ignore[arg-type]
-        )
+        graphed = graph_rank(cfg, layers, samples, mode)
     except (ValueError, NotImplementedError) as e:
         return {"mode": mode, "microbatches": cfg.micro, "refused": str(e)}
     _sync(cfg)
