@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from _fuzz_config import Case, inference_build
 from _fuzz_engine import ScribblingEagerEngine
-from _fuzz_live import TRACKER, InjectedFault
+from _fuzz_live import SETTLE_TRIES, TRACKER, InjectedFault, settle
 from _fuzz_models import DELAYED_KINDS, FEATURES, GRAD_WRITING_KINDS, make_callable, make_layer
 from _fuzz_oracles import leaves
 from _fuzz_pipeline import PipelineProgram, pipeline_order
@@ -42,7 +42,7 @@ def _reserved(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
-    gc.collect()
+    settle()  # autograd's device thread may still hold a block's last tensor
     # cuBLAS keeps a workspace per (handle, stream), 64 MiB on an H100, until cleared: a case with
     # an engine of its own (a side stream of its own) makes one that is torch's cache, not a leak
     torch._C._cuda_clearCublasWorkspaces()
@@ -260,6 +260,10 @@ class _Run:
                 m.zero_grad(set_to_none=True)
         self.data.cache.clear()
         after = _reserved(self.device)
+        for _ in range(SETTLE_TRIES):
+            if after <= before:
+                return
+            after = _reserved(self.device)
         if after > before:
             self.violations.append(
                 f"liveness: reserved memory {after} B after every callable was reset, {before} B before the build"

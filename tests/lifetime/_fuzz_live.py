@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from gograph.engines import capturing_on_this_thread
 
-__all__ = ["TRACKER", "InjectedFault", "LiveTracker", "StaticRefs"]
+__all__ = ["SETTLE_TRIES", "TRACKER", "InjectedFault", "LiveTracker", "StaticRefs", "settle"]
 
 
 class InjectedFault(RuntimeError):
@@ -148,6 +149,24 @@ class LiveTracker:
 TRACKER = LiveTracker()
 
 
+#: How often :func:`settle` is tried before a tensor still alive is a verdict (about 0.1 s in all).
+SETTLE_TRIES = 50
+
+
+def settle() -> None:
+    """Gives autograd's device threads the time to drop what they hold, then collects cycles.
+
+    A CUDA backward runs on autograd's device thread; the caller's ``backward()`` returns when
+    the last node has run, while that thread still holds its last node's inputs and the graph
+    task's captured grads (a graphed callable's static grad inputs among them). Dropping a
+    tensor that has a Python object takes the GIL, which the checking thread holds until it
+    sleeps: so a buffer can look alive, and its block reserved, for a moment after every
+    reference of this process is gone. A leak stays alive through the tries; that moment does
+    not."""
+    time.sleep(0.002)  # releases the GIL
+    gc.collect()
+
+
 @dataclass(eq=False)
 class StaticRefs:
     """Weak references to the static buffers of each graphed callable (inputs, outputs, grad
@@ -176,9 +195,10 @@ class StaticRefs:
         """After ``graphed[i].reset()``: its buffers are dead unless a live callable holds the same
         tensor (a chained input, a shared grad-output buffer)."""
         live = {id(t) for g in graphed if not g.is_reset for _, t in self.buffers(g)}
-        if all(r() is None or id(r()) in live for _, r in self.refs[i]):
-            return
-        gc.collect()
+        for _ in range(SETTLE_TRIES):
+            if all(r() is None or id(r()) in live for _, r in self.refs[i]):
+                return
+            settle()
         for name, r in self.refs[i]:
             t = r()
             if t is not None and id(t) not in live:
