@@ -86,7 +86,7 @@ lint: venv build $(GOBIN_TOOLS)/staticcheck
 	$(Q)$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(Q)$(VENV)/bin/mypy
 	@# the typed stub of the core against the extension the build made (parameter names included)
-	$(Q)PYTHONPATH=python MYPYPATH=python $(PY) -m mypy.stubtest gograph._core
+	$(Q)PYTHONPATH=python MYPYPATH=python $(PY) -m mypy.stubtest gograph.core._core
 	@# typed user code following the README (torch's own Tensor.backward is untyped: allowed)
 	$(Q)MYPYPATH=python $(VENV)/bin/mypy --strict --allow-untyped-calls tests/typing/usage.py
 	$(Q)$(GOBIN_TOOLS)/staticcheck ./...

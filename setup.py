@@ -186,8 +186,19 @@ class BuildGopy(build_ext):
 
 setup(
     package_dir={"": "python"},
-    packages=["gograph", "gograph._core_cpu", "gograph._core_cuda", "gograph.integrations"],
-    package_data={"gograph": ["py.typed"], "gograph._core_cpu": ["*.py"], "gograph._core_cuda": ["*.py"]},
+    packages=[
+        "gograph",
+        *(f"gograph.{folder}" for folder in ("probes", "build", "replay", "request", "runtime", "core", "support")),
+        "gograph._core_cpu",
+        "gograph._core_cuda",
+        "gograph.integrations",
+    ],
+    package_data={
+        "gograph": ["py.typed"],
+        "gograph.core": ["*.pyi"],
+        "gograph._core_cpu": ["*.py"],
+        "gograph._core_cuda": ["*.py"],
+    },
     ext_modules=[
         GopyExtension(f"gograph._core_cpu._{GOPY_NAME}", "cpu"),
         GopyExtension(f"gograph._core_cuda._{GOPY_NAME}", "cuda"),

@@ -40,7 +40,7 @@ def _no_allocation_trace(self, wanted, ops):
 def _unseeded(*args, **kwargs):
     """gograph without the pool seed (its warmup unrecorded, no plan_memory): the seed's cost
     measured against the same build in the same process."""
-    from gograph import _build
+    from gograph.build import _build
 
     traced = _build.Build._allocation_trace
     _build.Build._allocation_trace = _no_allocation_trace  # type: ignore[method-assign]
@@ -199,7 +199,14 @@ def phases(w: Workload, rounds: int, warmup_iters: int, makers: list[str], detai
     """Median seconds per graphing spent in the main phases of each maker: with ``detail``,
     inside many functions (which slows the graphings down a little); without, only a timeline
     of phase boundaries and the garbage collector's pauses."""
-    from gograph import _args, _build, _captures, _core, _observe, _plan, _probe, _torch, _warmup, engines, graphed
+    from gograph import engines
+    from gograph.build import _build, _captures, _warmup
+    from gograph.core import _core, _plan
+    from gograph.probes import _probe
+    from gograph.replay import graphed
+    from gograph.request import _args
+    from gograph.runtime import _observe
+    from gograph.support import _torch
 
     out = []
     for maker in makers:

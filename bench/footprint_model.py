@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_map
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph
-from gograph import _core
+from gograph.core import _core
 from gograph.engines import EagerEngine
 
 from footprint import MODES, graph, parse_arm

@@ -41,7 +41,7 @@ import torch.utils._pytree as pytree
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph
-from gograph import _core
+from gograph.core import _core
 from gograph.engines import EagerEngine
 
 

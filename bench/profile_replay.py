@@ -20,7 +20,7 @@ import time
 import torch
 
 import gograph
-from gograph import _native
+from gograph.core import _native
 
 
 def make_layers(n, width, dtype=torch.float32):

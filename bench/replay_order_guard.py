@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph
-from gograph import _native
+from gograph.core import _native
 
 
 def build(layers: int, guard: bool) -> list[torch.nn.Module]:

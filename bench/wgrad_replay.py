@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import gograph
-from gograph import _core
+from gograph.core import _core
 from gograph.engines import EagerEngine
 
 

@@ -1,7 +1,7 @@
 // Package gograph is the Go core's exported surface, compiled by gopy into
 // the Python extensions gograph._core_cpu and gograph._core_cuda. Its exact
 // contract is docs/CORE_API.md; its typed Python stub is
-// python/gograph/_core.pyi.
+// python/gograph/core/_core.pyi.
 //
 // The package is deliberately thin, one file per topic: info.go (build and
 // driver information), capture.go (the raw capture engine), pass.go (pass

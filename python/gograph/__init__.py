@@ -23,17 +23,17 @@ Public names:
 
 from __future__ import annotations
 
-from . import _core, _native
-from ._dry_run import CaptureUnsupportedError
-from ._native import cuda_available, cuda_unavailable_reason
-from ._plan import ScheduleError, megatron_order
-from ._reuse import BufferReuse
-from ._shared_inputs import SharedInputError
-from .engines import CudaEngine, EagerEngine, EagerPool, Engine
-from .graphed import ChainedInputError, GraphedCallable, StaticInputMismatchError
+from .core import _core, _native
+from .core._native import cuda_available, cuda_unavailable_reason
+from .core._plan import ScheduleError, megatron_order
 from .graphs import GraphedModule, graph_pool_handle, live_graphs, live_passes, live_plans, make_graphed_callables
 from .memory import MemoryReport, memory_report
 from .planning import MemoryPlan, plan_memory
+from .replay._buffer_reuse import BufferReuse
+from .replay._shared_inputs import SharedInputError
+from .replay.graphed import ChainedInputError, GraphedCallable, StaticInputMismatchError
+from .runtime._dry_run import CaptureUnsupportedError
+from .runtime.engines import CudaEngine, EagerEngine, EagerPool, Engine
 
 #: The distribution that installs this package (``pip install torch-gograph``; the name
 #: "gograph" on PyPI is another project's).

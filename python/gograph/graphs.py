@@ -1,8 +1,8 @@
 """``make_graphed_callables``: torch's API, TransformerEngine's extensions, the Go core's plans.
 
-The call is a straight line: normalise the arguments (:mod:`gograph._args`), let the core plan
-the schedule (:mod:`gograph._plan`), build -- warmup, captures and every release point are the
-core's program, executed by :class:`gograph._build.Build` -- and return the graphed callables in
+The call is a straight line: normalise the arguments (:mod:`gograph.request._args`), let the core plan
+the schedule (:mod:`gograph.core._plan`), build -- warmup, captures and every release point are the
+core's program, executed by :class:`gograph.build._build.Build` -- and return the graphed callables in
 the structure of ``callables``.
 """
 
@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch
 
-from . import _args, _core, _native, _te
-from ._build import prepared
-from ._pool import EagerPool
-from ._probe import SeedTrace
-from ._recarve import DebugRecorder
-from .engines import capturing_on_this_thread
-from .graphed import GraphedCallable
+from .build._build import prepared
+from .core import _core, _native
+from .probes._probe import SeedTrace
+from .probes._recarve import DebugRecorder
+from .replay.graphed import GraphedCallable
+from .request import _args, _te
+from .runtime._pool import EagerPool
+from .runtime.engines import capturing_on_this_thread
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
     from typing import Unpack
@@ -28,7 +29,7 @@ else:  # pragma: no cover
     from typing_extensions import Unpack
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._args import GraphOptions
+    from .request._args import GraphOptions
 
 __all__ = ["GraphedModule", "graph_pool_handle", "live_graphs", "live_passes", "live_plans", "make_graphed_callables"]
 

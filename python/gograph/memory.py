@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _core
-from ._observe import KIND_NAMES, BuildStats, CaptureRecord, WarmupPeak, fmt_bytes, json_text
-from .graphed import GraphedCallable
+from .core import _core
+from .replay.graphed import GraphedCallable
+from .runtime._observe import KIND_NAMES, BuildStats, CaptureRecord, WarmupPeak, fmt_bytes, json_text
 
 __all__ = [
     "BuildSummary",

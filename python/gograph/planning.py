@@ -29,14 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _args, _core, _plan, _probe, _static_bytes, _te, _torch
-from ._build import Build, prepared
-from ._exec import Phase
-from ._observe import fmt_bytes, json_text
-from ._warmup import module_buffers_restored
-from ._wire import Prediction, Trace
-from .engines import CudaEngine
+from .build._build import Build, prepared
+from .build._exec import Phase
+from .build._warmup import module_buffers_restored
+from .core import _core, _plan
+from .core._wire import Prediction, Trace
 from .graphs import _refuse_nested_build
+from .probes import _probe, _static_bytes
+from .request import _args, _te
+from .runtime._observe import fmt_bytes, json_text
+from .runtime.engines import CudaEngine
+from .support import _torch
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
     from typing import Unpack
@@ -46,7 +49,7 @@ else:  # pragma: no cover
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Hashable, Mapping, Sequence
 
-    from ._args import GraphOptions
+    from .request._args import GraphOptions
 
 __all__ = ["MemoryPlan", "PassPlan", "PlanTotals", "plan_memory"]
 

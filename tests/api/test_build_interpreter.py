@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import gograph
-from gograph import _args, _captures, _warmup
-from gograph._build import PHASE_OF, Build, prepared
-from gograph._exec import Executor, Hooks, Phase, ProgramKind
-from gograph._kinds import CaptureOp, WarmOp
-from gograph._wire import CaptureProgram, Op, ProtocolError, WarmupProgram
+from gograph.build import _captures, _warmup
+from gograph.build._build import PHASE_OF, Build, prepared
+from gograph.build._exec import Executor, Hooks, Phase, ProgramKind
+from gograph.core._kinds import CaptureOp, WarmOp
+from gograph.core._wire import CaptureProgram, Op, ProtocolError, WarmupProgram
+from gograph.request import _args
 
 from helpers import make_mlp
 

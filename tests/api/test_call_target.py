@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _capture_state
+from gograph.runtime import _capture_state
 
 from helpers import make_mlp, twin
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gograph
-from gograph.engines import explain_capture_error
+from gograph.runtime.engines import explain_capture_error
 
 from helpers import make_mlp
 

@@ -1,5 +1,5 @@
 """How many times the build and the replays call into the Go core: a recording core wraps every
-function of ``gograph._core`` (every call site goes through that module) and logs the calls."""
+function of ``gograph.core._core`` (every call site goes through that module) and logs the calls."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _core
+from gograph.core import _core
 
 from helpers import make_mlp
 

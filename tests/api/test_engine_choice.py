@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import engines
+from gograph.runtime import engines
 
 from helpers import make_mlp
 
@@ -65,7 +65,7 @@ def test_no_warning_without_cuda(monkeypatch):
 def test_progress_warning_points_at_the_caller(monkeypatch):
     import sys
 
-    from gograph import _observe
+    from gograph.runtime import _observe
 
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setattr(_observe, "_said_no_tqdm", [])

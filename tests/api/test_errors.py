@@ -144,4 +144,4 @@ def test_exception_type_without_message_constructor_gets_a_note():
 
 def test_core_panic_comes_back_as_runtime_error():
     with pytest.raises(RuntimeError, match="panic"):
-        gograph._native.core.trigger_panic_for_test()
+        gograph.core._native.core.trigger_panic_for_test()

@@ -436,7 +436,7 @@ def test_eager_engine_reports_backward_without_forward_replay():
 
 def test_eager_engine_replays_record_kinds_in_the_core():
     graphed = gograph.make_graphed_callables(lambda a: a.exp(), (torch.randn(3, requires_grad=True),))
-    core = gograph._native.core
+    core = gograph.core._native.core
     assert core.pass_state(graphed.pass_id) == "ready"
     assert core.pass_graph(graphed.pass_id, FORWARD) == 0  # eager: nothing to launch
     assert core.pass_graph(graphed.pass_id, BACKWARD) == 0

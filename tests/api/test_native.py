@@ -1,4 +1,4 @@
-"""Flavor selection of the Go core (gograph._native)."""
+"""Flavor selection of the Go core (gograph.core._native)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _native
+from gograph.core import _native
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(gograph.__file__))
 

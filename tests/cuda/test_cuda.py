@@ -38,8 +38,8 @@ def test_train_five_steps_bitwise_equal_to_eager(cuda_device, no_tf32):
     gcall = model.forward
     assert isinstance(gcall.engine, CudaEngine)
     assert gograph.live_graphs() == base_graphs + 2  # forward + backward
-    assert gograph._native.core.pass_graph(gcall.pass_id, FORWARD) != 0
-    assert gograph._native.core.pass_graph(gcall.pass_id, BACKWARD) != 0
+    assert gograph.core._native.core.pass_graph(gcall.pass_id, FORWARD) != 0
+    assert gograph.core._native.core.pass_graph(gcall.pass_id, BACKWARD) != 0
 
     losses = _train(model, xs, ys)
     losses_ref = _train(ref, xs, ys)
@@ -189,8 +189,8 @@ def test_eval_mode_on_cuda_and_training_flag_fallback(cuda_device, no_tf32):
         gograph.make_graphed_callables(model, (torch.randn(4, 8, device=cuda_device),))
     gcall = model.forward
     assert not gcall.has_backward
-    assert gograph._native.core.pass_graph(gcall.pass_id, FORWARD) != 0
-    assert gograph._native.core.pass_graph(gcall.pass_id, BACKWARD) == 0
+    assert gograph.core._native.core.pass_graph(gcall.pass_id, FORWARD) != 0
+    assert gograph.core._native.core.pass_graph(gcall.pass_id, BACKWARD) == 0
     x = torch.randn(4, 8, device=cuda_device)
     with torch.no_grad():
         out = model(x)

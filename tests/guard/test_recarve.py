@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import gograph
-from gograph import _core, _recarve
-from gograph._handouts import WATCH
-from gograph._kinds import CaptureOp
-from gograph._wire import Op
+from gograph.core import _core
+from gograph.core._kinds import CaptureOp
+from gograph.core._wire import Op
+from gograph.probes import _recarve
+from gograph.replay._handouts import WATCH
 
 
 def _state(index: int, pass_id: int, **kw: Any) -> Any:
@@ -272,14 +273,16 @@ def test_a_hold_is_left_out_of_the_writes_only_where_it_was_held(monkeypatch: py
     history.append({"action": "alloc", "addr": 0x9000, "size": 64})  # before the recording
     with _recarve.CaptureRecorder(torch.device("cuda", 0)) as rec:
         history.append({"action": "alloc", "addr": 0x1000, "size": 64})  # F0's output
-        position = gograph.engines.HELD.position
+        position = gograph.runtime.engines.HELD.position
         assert position is not None
         start = position()
         history.append({"action": "alloc", "addr": 0x2000, "size": 64})  # held by F0's capture
-        gograph.engines.HELD.spans.append((start, position()))
+        gograph.runtime.engines.HELD.spans.append((start, position()))
         history.append({"action": "free_completed", "addr": 0x2000, "size": 64})  # the hold released
         history.append({"action": "alloc", "addr": 0x2000, "size": 64})  # F1: what it saves
-    assert gograph.engines.HELD.position is None and not gograph.engines.HELD.spans  # nothing outside a recording
+    assert (
+        gograph.runtime.engines.HELD.position is None and not gograph.runtime.engines.HELD.spans
+    )  # nothing outside a recording
     assert [bool(e.get("held")) for e in rec.entries] == [False, True, False, False]
     rec.marks = [0, 3, 4]
     got = _recarve.specs(rec, [Op(CaptureOp("F"), 0), Op(CaptureOp("F"), 1)], [_state(0, 10), _state(1, 11)])

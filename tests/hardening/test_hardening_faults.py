@@ -620,7 +620,7 @@ def test_cuda_reset_that_fails_to_destroy_still_releases_the_pool(warm_cuda, mon
     mgc(m, (x,))
     m(x).sum().backward()
     monkeypatch.setattr(
-        gograph._core,
+        gograph.core._core,
         "pass_reset_error",
         lambda pass_id: "graphed callable 0: destroying its forward graph: injected failure",
     )

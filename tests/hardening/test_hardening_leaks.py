@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _native
+from gograph.core import _native
 from gograph.engines import EagerEngine
 
 from helpers import make_mlp
@@ -190,7 +190,7 @@ def test_errors_from_the_core_do_not_leak():
 # ---------------------------------------------------------------------------------------------
 _GARBAGE_CALLS = r"""
 import itertools, sys
-from gograph import _native
+from gograph.core import _native
 core = _native.core
 ints = [0, 1, -1, 2, 3, 7, 2**31, -2**31, 2**62, -2**63, 2**63 - 1]
 strs = ["", "x", "\x00nul", "caf\u00e9 \U0001f680", "\"quoted\"\n", "a" * 10000]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gograph import _capture_state
+from gograph.runtime import _capture_state
 
 from megatron_runs import needs_megatron
 

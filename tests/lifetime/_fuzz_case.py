@@ -82,7 +82,7 @@ class _Run:
     device: torch.device
     violations: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # what the case exercised (hypothesis statistics)
-    pool_model: bool = False  # the eager engine models CUDA's graph pools (gograph._poolmodel)
+    pool_model: bool = False  # the eager engine models CUDA's graph pools (gograph.runtime._poolmodel)
     # static outputs kept out of memory other graphs write: CudaEngine(isolate_outputs=True) on
     # CUDA, modelled with the pool model on the CPU
     isolate: bool = False

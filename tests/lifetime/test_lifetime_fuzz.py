@@ -44,7 +44,8 @@ from typing import Any
 import pytest
 import torch
 
-from gograph import _captures, _isolation
+from gograph.build import _captures
+from gograph.runtime import _isolation
 
 pytest.importorskip("hypothesis")
 

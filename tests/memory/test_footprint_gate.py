@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-import gograph.graphed
+import gograph.replay.graphed
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 RECORD = pathlib.Path(__file__).with_name("footprint_gate.json")
@@ -96,8 +96,8 @@ def test_the_gate_sees_a_first_step_that_packs_its_grad_copies(
     step's owned copies) fails the gate in every cell that owns copies: the model sees what it cost
     on the GPU (chain: +198 / +326 MiB as an H200 measured; blocks: +42 MiB, 1 %, which a tolerance
     of 1 % let through). Cells whose grads are lent own no copies and must not move."""
-    packed = gograph.graphed.owned_copies
-    monkeypatch.setattr(gograph.graphed, "owned_copies", lambda grads, natural=False: packed(grads, False))
+    packed = gograph.replay.graphed.owned_copies
+    monkeypatch.setattr(gograph.replay.graphed, "owned_copies", lambda grads, natural=False: packed(grads, False))
     got = _figures(_model().run_cell(workload, arm, mode))
     if "lend_param_grads=true" in arm:
         assert got == RECORDS[(workload, arm, mode)], "lent grads: no copies to pack"

@@ -1,4 +1,4 @@
-"""One backward's owned parameter-grad copies (gograph._grad_pack): packed in one allocation
+"""One backward's owned parameter-grad copies (gograph.replay._grad_pack): packed in one allocation
 (``_order`` schedules), or in their natural sizes with only the small ones packed (the default
 schedule)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gograph
-from gograph._grad_pack import MIN_OWN_BYTES, owned_copies
+from gograph.replay._grad_pack import MIN_OWN_BYTES, owned_copies
 
 WIDTH = 512  # a 512x512 fp32 weight is 1 MiB: a layer's grads are worth packing
 

@@ -252,13 +252,13 @@ def test_progress_bar_closed_when_the_build_fails(monkeypatch):
         gograph.make_graphed_callables(boom, (torch.randn(2),), progress=True)
     (bar,) = _FakeBar.instances
     assert bar.closed
-    from gograph import _observe
+    from gograph.runtime import _observe
 
     assert _observe.current_build() is None
 
 
 def test_progress_without_tqdm_builds_and_says_so_once(monkeypatch):
-    from gograph import _observe
+    from gograph.runtime import _observe
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
     monkeypatch.setattr(_observe, "_said_no_tqdm", [])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _native
+from gograph.core import _native
 
 pytestmark = pytest.mark.cuda
 

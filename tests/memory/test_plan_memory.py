@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import gograph
-from gograph import _core, _plan
-from gograph._kinds import WarmOp
-from gograph._probe import trace_text
-from gograph._wire import Facts, Op, Prediction, Trace
+from gograph.core import _core, _plan
+from gograph.core._kinds import WarmOp
+from gograph.core._wire import Facts, Op, Prediction, Trace
+from gograph.probes._probe import trace_text
 
 FEATURES = 8
 MiB = 2**20
@@ -263,7 +263,7 @@ def test_the_build_peak_counts_the_segments_beside_the_pool(warmup: tuple[int, i
     ],
 )
 def test_a_warmup_trace_marks_each_first_op_and_stops_after_the_last(program: str, exact: set[int], until: int) -> None:
-    from gograph._probe import first_ops
+    from gograph.probes._probe import first_ops
 
     ops = [Op(WarmOp(op[0]), int(op[1:])) for op in program.split()]
     assert first_ops(ops) == (exact, until)
@@ -282,7 +282,7 @@ def test_a_warmup_trace_marks_each_first_op_and_stops_after_the_last(program: st
 def test_only_a_large_request_makes_the_warmup_worth_recording(shapes: list[list[tuple[int, int]]], may: bool) -> None:
     from types import SimpleNamespace
 
-    from gograph import _probe
+    from gograph.probes import _probe
 
     args, params = ([torch.empty(s) for s in group] for group in shapes)
     small = SimpleNamespace(flat_args=(torch.empty(4),), params=())

@@ -45,9 +45,9 @@ def test_a_seed_the_device_cannot_hold_is_skipped(cuda_device: torch.device) -> 
 
 @pytest.mark.parametrize("until", [None, 2])
 def test_counted_marks_cut_the_history_where_a_snapshot_would(cuda_device: torch.device, until: int | None) -> None:
-    from gograph._kinds import WarmOp
-    from gograph._probe import CountedTrace
-    from gograph._wire import Op
+    from gograph.core._kinds import WarmOp
+    from gograph.core._wire import Op
+    from gograph.probes._probe import CountedTrace
 
     # With a program, ops 2 and 3 repeat op 0: the history stops at op 2.
     ops = None if until is None else [Op(WarmOp.FORWARD, p) for p in (0, 1, 0, 0)]
@@ -78,7 +78,7 @@ def test_counted_marks_cut_the_history_where_a_snapshot_would(cuda_device: torch
 def test_only_builds_with_a_large_request_record_their_warmup(
     cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch, width: int, recorded: int
 ) -> None:
-    from gograph import _probe
+    from gograph.probes import _probe
 
     entered: list[object] = []
     enter = _probe.CountedTrace.__enter__

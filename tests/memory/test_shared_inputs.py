@@ -1,4 +1,4 @@
-"""The guard on static inputs that several graphed callables share (gograph._shared_inputs), on
+"""The guard on static inputs that several graphed callables share (gograph.replay._shared_inputs), on
 the eager engine: a mask passed as one sample to every layer is one static buffer, as in torch.
 New contents copied in while another layer's backward is still to run would change what that
 backward reads (silently wrong gradients on torch's CUDA graphs; an in-place version error deep in
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _shared_inputs
+from gograph.replay import _shared_inputs
 
 from helpers import Masked
 

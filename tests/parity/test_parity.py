@@ -158,7 +158,7 @@ def small_graph():
 
 @pytest.mark.parametrize("retain_graph", [False, True])
 def test_build_backward_equals_torch_autograd_grad(small_graph, retain_graph):
-    from gograph import _bodies
+    from gograph.runtime import _bodies
 
     build, x, w, u = small_graph
     outs, g = build()
@@ -174,7 +174,7 @@ def test_build_backward_equals_torch_autograd_grad(small_graph, retain_graph):
 
 
 def test_build_backward_raises_torchs_errors(small_graph):
-    from gograph import _bodies
+    from gograph.runtime import _bodies
 
     build, x, _w, u = small_graph
     outs, g = build()
@@ -195,7 +195,8 @@ def test_build_backward_takes_torch_autograd_grad_unless_plain(small_graph, monk
     autograd's debug logging off; everything else keeps torch.autograd.grad's dispatch."""
     import logging
 
-    from gograph import _bodies, _torch
+    from gograph.runtime import _bodies
+    from gograph.support import _torch
 
     build, x, w, _u = small_graph
     engine_calls = []

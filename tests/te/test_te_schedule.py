@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import gograph
-from gograph import _plan, _te
+from gograph.core import _plan
 from gograph.engines import capturing_on_this_thread
+from gograph.request import _te
 
 from te_models import Block, DelayedLinear, ScaledBlock, init_grads, run_pipeline
 

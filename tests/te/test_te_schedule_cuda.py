@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gograph
-from gograph import _native
+from gograph.core import _native
 
 from te_models import Block, DelayedLinear, init_grads
 

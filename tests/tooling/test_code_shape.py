@@ -1,6 +1,8 @@
-"""The executor's shape, held by checks on the package's source: one typed interpreter (nothing
-takes ``build: Any``), error context written in one place, no import circles (``TYPE_CHECKING``
-imports count), and no function-local import without a comment saying why."""
+"""The package's shape, held by checks on its source: folders in one order of layers (a module
+imports only from its own folder or the folders below), no import circles (``TYPE_CHECKING``
+imports count), about ten modules per folder, one typed interpreter (nothing takes
+``build: Any``), error context written in one place, and no function-local import without a
+comment saying why."""
 
 from __future__ import annotations
 
@@ -11,29 +13,94 @@ from collections.abc import Iterator
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "python" / "gograph"
-MODULES = sorted(p for p in PACKAGE.glob("*.py"))
+#: The generated bindings of the core's two flavors (gopy's output, not the project's code).
+GENERATED = ("_core_cpu", "_core_cuda")
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if not set(p.relative_to(PACKAGE).parts) & set(GENERATED))
+#: The folders from the top down ("" the public surface): a module imports from its own folder
+#: and the folders after it, never from one before it.
+LAYERS = ("integrations", "", "probes", "build", "replay", "request", "runtime", "core", "support")
+
+
+def _name(path: pathlib.Path) -> str:
+    """The module's dotted name below ``gograph`` (``runtime.engines``, ``graphs``; ``__init__``
+    of a folder is the folder's name)."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "__init__"
+
+
+def _folder(name: str) -> str:
+    return name.split(".")[0] if "." in name or name in LAYERS else ""
 
 
 def _tree(path: pathlib.Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
+def _resolve(path: pathlib.Path, node: ast.ImportFrom) -> list[str]:
+    """The package's modules a relative import names (dotted below ``gograph``)."""
+    here = list(path.relative_to(PACKAGE).parent.parts)
+    base = here[: len(here) - (node.level - 1)] if node.level <= len(here) + 1 else []
+    known = {_name(p) for p in MODULES}
+    out = []
+    for alias in node.names if node.module is None else [None]:
+        parts = base + (node.module.split(".") if node.module else []) + ([alias.name] if alias else [])
+        while parts and ".".join(parts) not in known:
+            parts = parts[:-1]  # a name imported from a module, not a module
+        if parts and not set(parts) & set(GENERATED):
+            out.append(".".join(parts))
+    return out
+
+
 def _relative_imports(path: pathlib.Path) -> Iterator[tuple[str, ast.ImportFrom, bool]]:
-    """(module imported, the node, whether inside a function) for every ``from . import`` and
-    ``from .x import`` of the package's own modules."""
-    names = {p.stem for p in MODULES}
+    """(module imported, the node, whether inside a function) for every relative import of the
+    package's own modules."""
 
     def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[str, ast.ImportFrom, bool]]:
         for child in ast.iter_child_nodes(node):
             inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            if isinstance(child, ast.ImportFrom) and child.level == 1:
-                targets = [child.module] if child.module else [a.name for a in child.names]
-                for t in targets:
-                    if t.split(".")[0] in names:
-                        yield t.split(".")[0], child, in_function
+            if isinstance(child, ast.ImportFrom) and child.level >= 1:
+                for t in _resolve(path, child):
+                    yield t, child, in_function
             yield from visit(child, inner)
 
     yield from visit(_tree(path), False)
+
+
+def _against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    rank = {f: i for i, f in enumerate(LAYERS)}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if rank[_folder(a)] > rank[_folder(b)])
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_name(p): {m for m, _, _ in _relative_imports(p) if m != _name(p)} for p in MODULES}
+
+
+def test_every_folder_is_a_layer() -> None:
+    folders = {p.relative_to(PACKAGE).parts[0] for p in MODULES if len(p.relative_to(PACKAGE).parts) > 1}
+    assert folders == set(LAYERS) - {""}
+
+
+def test_imports_follow_the_layers() -> None:
+    """integrations -> the public surface -> probes -> build -> replay -> request -> runtime ->
+    core -> support: the folders' ``__init__`` docstrings say what each owns."""
+    assert _against_the_layers(_graph()) == []
+
+
+def test_the_layer_check_sees_an_import_upward() -> None:
+    assert _against_the_layers({"core._core": {"runtime.engines"}, "runtime.engines": {"core._core"}}) == [
+        "core._core -> runtime.engines"
+    ]
+    assert _against_the_layers({"graphs": {"build._build"}, "integrations.megatron": {"graphs"}}) == []
+
+
+def test_about_ten_modules_per_folder() -> None:
+    per: dict[str, int] = {}
+    for p in MODULES:
+        if p.name != "__init__.py":
+            per[_folder(_name(p))] = per.get(_folder(_name(p)), 0) + 1
+    assert max(per.values()) <= 10, per
 
 
 def test_no_function_takes_build_any() -> None:
@@ -96,8 +163,7 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_no_import_circle_in_the_package() -> None:
-    graph = {p.stem: {m for m, _, _ in _relative_imports(p) if m != p.stem} for p in MODULES}
-    assert _cycles(graph) == []
+    assert _cycles(_graph()) == []
 
 
 def test_function_local_imports_say_why() -> None:
@@ -119,12 +185,12 @@ def test_function_local_imports_say_why() -> None:
 
 def test_the_probe_does_not_drive_the_build() -> None:
     """``plan_memory`` runs the build until planned; ``_probe`` only observes it (hooks)."""
-    src = (PACKAGE / "_probe.py").read_text()
+    src = (PACKAGE / "probes" / "_probe.py").read_text()
     assert "Build" not in {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
-    assert "_build" not in {m for m, _, _ in _relative_imports(PACKAGE / "_probe.py")}
+    assert "build._build" not in {m for m, _, _ in _relative_imports(PACKAGE / "probes" / "_probe.py")}
 
 
-@pytest.mark.parametrize("module", ["_probe", "_recarve"])
+@pytest.mark.parametrize("module", ["probes._probe", "probes._recarve"])
 def test_the_build_imports_no_observer(module: str) -> None:
     """The seed's trace and the debug recorder are hooks the caller injects."""
-    assert module not in {m for m, _, _ in _relative_imports(PACKAGE / "_build.py")}
+    assert module not in {m for m, _, _ in _relative_imports(PACKAGE / "build" / "_build.py")}

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -34,8 +35,8 @@ from typing import Any
 
 import torch
 
-from .. import _capture_state
 from ..graphs import make_graphed_callables
+from ..runtime import _capture_state
 
 __all__ = [
     "SUPPORTED_VERSIONS",
@@ -141,8 +142,6 @@ def chain_allowed(callables: Any, kwargs: dict[str, Any]) -> bool:
     layer of a chunk with the previous layer's output itself, which ``chain_buffers`` reads in
     place. Partial layers (``cuda_graph_modules``), multi-token-prediction or other layers, and
     anything else keep Megatron's own options."""
-    import sys
-
     layer_mod = sys.modules.get("megatron.core.transformer.transformer_layer")
     layer_cls = getattr(layer_mod, "TransformerLayer", None)
     if layer_cls is None or kwargs.get("_order") is None or kwargs.get("share_microbatch_graphs"):
@@ -158,8 +157,6 @@ def record_capture_state(module: torch.nn.Module) -> _capture_state.StateFactory
     """At an eager capture: a Megatron layer captured while Megatron's capture flag is set ran
     its graphed work (``_te_cuda_graph_capture``) through ``__call__``; its replays re-enter that
     state (flag set, the layer's ``cuda_graphs`` empty). None for anything else."""
-    import sys
-
     cuda_graphs = sys.modules.get(_CUDA_GRAPHS)
     module_mod = sys.modules.get("megatron.core.transformer.module")
     if cuda_graphs is None or module_mod is None:
