@@ -15,9 +15,11 @@ package memplan
 
 import (
 	"fmt"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/gograph/gograph/internal/allocsim"
 	"github.com/gograph/gograph/internal/lifetime"
@@ -167,34 +169,61 @@ func Simulate(prog *lifetime.Program, tr *Trace) (*Result, error) {
 // bytes (0: none) is allocated and freed in the pool before the first
 // capture (allocsim.Pool.Seed).
 func SimulateSeeded(prog *lifetime.Program, tr *Trace, seed int64) (*Result, error) {
-	res := &Result{Seed: seed}
-	if err := warmup(tr, res); err != nil {
+	w, err := prepare(tr)
+	if err != nil {
 		return nil, err
 	}
-	byStep := map[Step][]Event{}
-	first := map[Step]int{}
+	return w.simulate(prog, seed)
+}
+
+// prepared is what every simulation of one trace shares, whatever the seed:
+// the warmup's own figures and each recorded step's events.
+type prepared struct {
+	tr                              *Trace
+	warmupReserved, warmupAllocated int64
+	outside                         int64
+	byStep                          map[Step][]Event
+	first                           map[Step]int
+	named                           map[int]bool // blocks that hold an output or a grad
+}
+
+func prepare(tr *Trace) (*prepared, error) {
+	var res Result
+	if err := warmup(tr, &res); err != nil {
+		return nil, err
+	}
+	w := &prepared{tr: tr, warmupReserved: res.WarmupReserved, warmupAllocated: res.WarmupAllocated, outside: res.Outside,
+		byStep: map[Step][]Event{}, first: map[Step]int{}, named: map[int]bool{}}
 	for i, s := range tr.Steps {
-		if _, ok := first[s]; !ok {
-			first[s] = i
+		if _, ok := w.first[s]; !ok {
+			w.first[s] = i
 		}
 	}
 	for _, e := range tr.Events {
-		if e.Step >= 0 && first[tr.Steps[e.Step]] == e.Step {
+		if e.Step >= 0 && w.first[tr.Steps[e.Step]] == e.Step {
 			s := tr.Steps[e.Step]
-			byStep[s] = append(byStep[s], e)
+			w.byStep[s] = append(w.byStep[s], e)
 		}
 	}
-	sim := &capture{pool: allocsim.New(), tr: tr, forward: map[int][]int{}, byStep: byStep, first: first, named: map[int]bool{}}
+	for _, id := range tr.Outputs {
+		w.named[id] = true
+	}
+	for _, id := range tr.Grads {
+		w.named[id] = true
+	}
+	return w, nil
+}
+
+// simulate runs the capture program over a fresh pool (seeded with one
+// segment of seed bytes, 0: none); w is only read, so simulations of one
+// trace may run at once.
+func (w *prepared) simulate(prog *lifetime.Program, seed int64) (*Result, error) {
+	res := &Result{Seed: seed, WarmupReserved: w.warmupReserved, WarmupAllocated: w.warmupAllocated, Outside: w.outside}
+	sim := &capture{pool: allocsim.New(), tr: w.tr, forward: map[int][]int{}, byStep: w.byStep, first: w.first, named: w.named}
 	if seed > 0 {
 		if err := sim.pool.Seed(seed); err != nil {
 			return nil, fmt.Errorf("seed segment: %w", err)
 		}
-	}
-	for _, id := range tr.Outputs {
-		sim.named[id] = true
-	}
-	for _, id := range tr.Grads {
-		sim.named[id] = true
 	}
 	res.Places = map[int][2]int64{}
 	for _, op := range prog.Ops {
@@ -367,7 +396,11 @@ const seedSteps = 128
 // least; a seed the captures do not fill is reserved all the same, so the
 // search stays below the peak.
 func ChooseSeed(prog *lifetime.Program, tr *Trace) (*Result, error) {
-	best, err := Simulate(prog, tr)
+	w, err := prepare(tr)
+	if err != nil {
+		return nil, err
+	}
+	best, err := w.simulate(prog, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -376,18 +409,54 @@ func ChooseSeed(prog *lifetime.Program, tr *Trace) (*Result, error) {
 	}
 	peak := best.PoolPeakAllocated
 	// No pool is smaller than its peak allocated, in whole 2 MiB: a pool
-	// there already has nothing to gain (most small builds), and the search
-	// stops once a seed reaches it.
+	// there already has nothing to gain (most small builds), and no later
+	// seed can do better once one reaches it.
 	floor := allocsim.RoundLarge * ((peak + allocsim.RoundLarge - 1) / allocsim.RoundLarge)
 	step := max(allocsim.RoundLarge, peak/2/seedSteps)
-	for seed := peak / 2; seed <= peak && best.PoolReserved > floor; seed += step {
-		res, err := SimulateSeeded(prog, tr, seed)
+	var seeds []int64
+	for seed := peak / 2; seed <= peak; seed += step {
+		seeds = append(seeds, seed)
+	}
+	// The simulations are independent: a batch of them runs at once, one
+	// per CPU, and the batch's results are taken in seed order up to where a
+	// loop over the seeds would have stopped, so the choice is that loop's
+	// on any machine (the first smallest before the pool reaches the floor).
+	batch := max(1, runtime.GOMAXPROCS(0))
+	for lo := 0; lo < len(seeds) && best.PoolReserved > floor; lo += batch {
+		results, err := w.simulateAll(prog, seeds[lo:min(lo+batch, len(seeds))])
 		if err != nil {
 			return nil, err
 		}
-		if res.PoolReserved < best.PoolReserved {
-			best = res
+		for _, res := range results {
+			if best.PoolReserved <= floor {
+				break
+			}
+			if res.PoolReserved < best.PoolReserved {
+				best = res
+			}
 		}
 	}
 	return best, nil
+}
+
+// simulateAll simulates each seed at once; the results are in seeds' order,
+// the error is the first seed's that failed.
+func (w *prepared) simulateAll(prog *lifetime.Program, seeds []int64) ([]*Result, error) {
+	results := make([]*Result, len(seeds))
+	errs := make([]error, len(seeds))
+	var wg sync.WaitGroup
+	for i, seed := range seeds {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i], errs[i] = w.simulate(prog, seed)
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return results, nil
 }

@@ -1,9 +1,13 @@
 package memplan
 
 import (
+	"fmt"
+	"math/rand"
+	"runtime"
 	"strings"
 	"testing"
 
+	"github.com/gograph/gograph/internal/allocsim"
 	"github.com/gograph/gograph/internal/lifetime"
 	"github.com/gograph/gograph/internal/schedule"
 )
@@ -324,6 +328,141 @@ func TestOutside(t *testing.T) {
 			if res.Outside != c.kept {
 				t.Errorf("outside %d MiB, want %d", res.Outside/MiB, c.kept/MiB)
 			}
+		})
+	}
+}
+
+// pipelineTrace is a trace of n passes, each a layer whose forward saves a
+// few blocks of mixed sizes and returns an output, and whose backward frees
+// them, makes a transient and returns an input grad and a weight grad: the
+// shape of a pipeline rank's warmup, at a size where the seed search runs
+// many simulations.
+func pipelineTrace(n int, rng *rand.Rand) string {
+	var b strings.Builder
+	id, step := 1, 0
+	for p := 0; p < n; p++ {
+		fmt.Fprintf(&b, "step %d f %d\n", step, p)
+		saved := []int{}
+		for k := 0; k < 3+rng.Intn(3); k++ {
+			fmt.Fprintf(&b, "a %d %d %d\n", id, (1+rng.Int63n(40))*MiB, step)
+			saved = append(saved, id)
+			id++
+		}
+		fmt.Fprintf(&b, "a %d %d %d\nout %d 0 %d\n", id, 8*MiB, step, p, id)
+		id++
+		step++
+		fmt.Fprintf(&b, "step %d b %d\n", step, p)
+		for _, s := range saved {
+			fmt.Fprintf(&b, "r %d %d\n", s, step)
+		}
+		fmt.Fprintf(&b, "a %d %d %d\nr %d %d\n", id, (1+rng.Int63n(60))*MiB, step, id, step)
+		id++
+		fmt.Fprintf(&b, "a %d %d %d\ngrad %d 0 %d\n", id, 8*MiB, step, p, id)
+		id++
+		fmt.Fprintf(&b, "a %d %d %d\ngrad %d 1 %d\n", id, 4*MiB, step, p, id)
+		id++
+		step++
+	}
+	return b.String()
+}
+
+func pipelineProgram(tb testing.TB, n int) *lifetime.Program {
+	tb.Helper()
+	p, err := schedule.Default(n, true)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	facts := make([]lifetime.Facts, n)
+	for i := range facts {
+		facts[i] = lifetime.Facts{
+			Inputs:     []lifetime.InputLeaf{{Sig: 0, RequiresGrad: true, Unique: true, Slottable: true}},
+			NPos:       1,
+			Outputs:    []lifetime.OutputLeaf{{Sig: 0, RequiresGrad: true}},
+			ParamGrads: []lifetime.ParamLeaf{{Index: 1, Param: i, Sig: 1}},
+			Backward:   true,
+			Keys:       lifetime.Keys{Input: 0, Grad: 0},
+		}
+	}
+	prog, err := lifetime.Capture(p, facts, lifetime.Options{Release: true})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return prog
+}
+
+// chooseSeedInOrder is the seed search one simulation at a time, as the
+// reference the batched search must agree with.
+func chooseSeedInOrder(prog *lifetime.Program, tr *Trace) (*Result, error) {
+	best, err := Simulate(prog, tr)
+	if err != nil || tr.NoSeed {
+		return best, err
+	}
+	peak := best.PoolPeakAllocated
+	floor := allocsim.RoundLarge * ((peak + allocsim.RoundLarge - 1) / allocsim.RoundLarge)
+	step := max(allocsim.RoundLarge, peak/2/seedSteps)
+	for seed := peak / 2; seed <= peak && best.PoolReserved > floor; seed += step {
+		res, err := SimulateSeeded(prog, tr, seed)
+		if err != nil {
+			return nil, err
+		}
+		if res.PoolReserved < best.PoolReserved {
+			best = res
+		}
+	}
+	return best, nil
+}
+
+func TestChooseSeedBatchedAgreesWithInOrder(t *testing.T) {
+	for _, procs := range []int{1, 3, 16} {
+		for trial := 0; trial < 6; trial++ {
+			rng := rand.New(rand.NewSource(int64(trial)))
+			n := 2 + rng.Intn(12)
+			tr, err := ParseTrace(pipelineTrace(n, rng), n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			prog := pipelineProgram(t, n)
+			prev := runtime.GOMAXPROCS(procs)
+			got, err := ChooseSeed(prog, tr)
+			runtime.GOMAXPROCS(prev)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, err := chooseSeedInOrder(prog, tr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Encode() != want.Encode() {
+				t.Errorf("GOMAXPROCS %d, %d passes (trial %d): seed %d pool %d, in order seed %d pool %d",
+					procs, n, trial, got.Seed, got.PoolReserved, want.Seed, want.PoolReserved)
+			}
+		}
+	}
+}
+
+func BenchmarkChooseSeed(b *testing.B) {
+	for _, n := range []int{64, 128} {
+		b.Run(fmt.Sprintf("passes=%d", n), func(b *testing.B) {
+			rng := rand.New(rand.NewSource(1))
+			tr, err := ParseTrace(pipelineTrace(n, rng), n)
+			if err != nil {
+				b.Fatal(err)
+			}
+			prog := pipelineProgram(b, n)
+			b.Run("batched", func(b *testing.B) {
+				for b.Loop() {
+					if _, err := ChooseSeed(prog, tr); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+			b.Run("in-order", func(b *testing.B) {
+				for b.Loop() {
+					if _, err := chooseSeedInOrder(prog, tr); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
 		})
 	}
 }

@@ -269,6 +269,10 @@ def trace_text(
     (the real build allocates grad-output buffers outside the pool, and finds caches made);
     output and grad addresses name the block live at their op's end."""
     lines: list[Any] = [f"step {i} {op.kind.value} {op.pass_index}" for i, op in enumerate(ops)]
+    named: dict[int, list[tuple[str, int, int, int]]] = {}  # op -> what names a block at its end
+    for kind, addrs in (("out", out_addrs), ("grad", grad_addrs)):
+        for o, p, k, a in addrs:
+            named.setdefault(o, []).append((kind, p, k, a))
     live: dict[int, int] = {}
     allocs: dict[int, list[Any]] = {}
     for i, span in op_spans(entries, marks, len(ops)):
@@ -283,8 +287,7 @@ def trace_text(
             elif action == "free_completed" and addr in live:
                 lines.append(f"r {live.pop(addr)} {i}")
         if i >= 0:
-            lines += [f"out {p} {k} {live[a]}" for (o, p, k, a) in out_addrs if o == i and a in live]
-            lines += [f"grad {p} {j} {live[a]}" for (o, p, j, a) in grad_addrs if o == i and a in live]
+            lines += [f"{kind} {p} {k} {live[a]}" for (kind, p, k, a) in named.get(i, ()) if a in live]
     # What warmup allocated and never freed is a cache made on first use (cuBLAS workspaces of
     # gograph's side stream, ...): it adds to the warmup's peak, and a capture finds it made.
     for bid in live.values():
