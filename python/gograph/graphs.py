@@ -243,12 +243,15 @@ def make_graphed_callables(
     """
     _refuse_nested_build()
     with _te.graph_capturing():
-        req = _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
-        with prepared(req) as build:
+        # normalise, plan, build (the request itself is not kept here: a buffer-reuse build's
+        # planned request replaces it, and the samples only the first one listed are freed then)
+        with prepared(
+            _args.normalize(callables, sample_args, num_warmup_iters, allow_unused_input, pool, options)
+        ) as build:
             build.run(hooks=(SeedTrace(), DebugRecorder()))
             graphed = build.graphed()
-    ret = [_attach(g, spec, req.ordered) for g, spec in zip(graphed, build.specs)]
-    return ret[0] if req.just_one else tuple(ret)
+    ret = [_attach(g, spec, build.req.ordered) for g, spec in zip(graphed, build.specs)]
+    return ret[0] if build.req.just_one else tuple(ret)
 
 
 def _attach(graphed: GraphedCallable, spec: _args.PassSpec, ordered: bool) -> Any:

@@ -160,8 +160,11 @@ def plan_memory(
                 "of their own); plan without it, or measure the build (gograph.memory_report)"
             )
         allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
-        req = dataclasses.replace(req, num_warmup_iters=1, progress=False)
-        with prepared(req) as build:
+        # held by nothing here once planned, as in make_graphed_callables: the planned request
+        # replaces it (a buffer-reuse build frees the samples only the first one listed)
+        one_warmup = [dataclasses.replace(req, num_warmup_iters=1, progress=False)]
+        del req
+        with prepared(one_warmup.pop()) as build:
             found, prediction = _planned(build)
     engine = build.engine
     if isinstance(engine, CudaEngine):

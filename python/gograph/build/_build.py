@@ -41,10 +41,10 @@ from ..replay._buffer_reuse import BufferReuse
 from ..replay._shared_inputs import SharedInput, shared_inputs
 from ..replay._sharers import Sharers
 from ..replay.graphed import GraphedCallable, PassResult, Shared, lent_grads
-from ..request import _args, _fit
 from ..request._args import PassSpec, Request
+from ..request._planned import planned
 from ..runtime import _observe
-from ..runtime.engines import CudaEngine, Engine, resolve_engine
+from ..runtime.engines import CudaEngine, Engine
 from . import _captures, _reuse, _warmup
 from ._exec import BuildHooks, Executor, HookList, Hooks, Phase, ProgramKind
 from ._state import PassState
@@ -69,24 +69,12 @@ Handlers = Mapping[Any, Callable[[Executor, int, Op], None]]
 
 @contextlib.contextmanager
 def prepared(req: Request) -> Iterator[Build]:
-    """The executor of ``req``: the schedule the core plans for it (held by handle, freed on
-    exit), one spec per pass, the engine its tensors resolve to (checked against the request).
-    ``make_graphed_callables`` runs it to the end; ``plan_memory`` until it is planned."""
-    schedule = _plan.plan_schedule(
-        req.order,
-        req.layers,
-        len(req.callables),
-        len(req.sample_args),
-        _args.schedule_training(req),
-        req.num_warmup_iters,
-    )
-    try:
-        specs = _args.pass_specs(req, schedule)
-        engine = resolve_engine(req.engine, [t for s in specs for t in (*s.flat_args, *s.params)])
-        _fit.check_for_engine(req, specs, engine)
-        yield Build(req, schedule, specs, engine)
-    finally:
-        schedule.free()
+    """The executor of ``req`` once planned (:func:`gograph.request._planned.planned`: the
+    schedule, the specs, the engine). ``make_graphed_callables`` runs it to the end;
+    ``plan_memory`` until it is planned."""
+    with planned(req) as p:
+        del req  # the planned request replaces it (a buffer-reuse build's samples are reorganised)
+        yield Build(p.req, p.schedule, p.specs, p.engine)
 
 
 class Build:

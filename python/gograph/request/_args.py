@@ -2,9 +2,9 @@
 
 :func:`normalize` checks what needs no engine and no core (torch's and TransformerEngine's
 checks and messages, plus gograph's) and returns a frozen :class:`Request`; once the core has
-planned the schedule, :func:`pass_specs` gives one frozen :class:`PassSpec` per graphed pass
-(the checks that depend on the engine chosen are :mod:`gograph.request._fit`'s). Nothing here calls an
-engine or the core.
+planned the schedule (:mod:`gograph.request._planned`), :func:`pass_specs` gives one frozen
+:class:`PassSpec` per graphed pass (the checks that depend on the engine chosen are
+:mod:`gograph.request._fit`'s). Nothing here calls an engine or the core.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ..core import _plan
 from ..runtime import _pool
-from . import _entries, _te
+from ..runtime.engines import Engine
+from . import _te
 from ._marks import GraphedMark
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,6 +104,10 @@ class Request:
     hooks: _te.CaptureTimeHooks
     pre_warmup_hook: Callable[[], Any] | None
     post_warmup_hook: Callable[[], Any] | None
+    #: The caller's own ``sample_args`` and ``sample_kwargs`` (a buffer-reuse build reorganises
+    #: a list of them in place, as TransformerEngine does).
+    given_sample_args: Any = None
+    given_sample_kwargs: Any = None
 
     @property
     def ordered(self) -> bool:
@@ -183,8 +187,9 @@ def normalize(
     kwargs_t = _te.canonicalize_sample_kwargs(
         options.get("sample_kwargs"), len(args_t), just_one, order is not None, len(callables_t)
     )
-    if flags["reuse"]:  # with an _order, in training: TransformerEngine's canonical entries
-        args_t, kwargs_t = _reorganised(sample_args, options, args_t, kwargs_t, len(callables_t), num_warmup_iters)
+    _check_engine_name(options.get("engine"))
+    for i, (args, kwargs) in enumerate(zip(args_t, kwargs_t)):
+        _check_leaves(i, None if order is not None else callables_t[i], args, kwargs, order is not None)
     return Request(
         callables=callables_t,
         sample_args=args_t,
@@ -192,7 +197,7 @@ def normalize(
         just_one=just_one,
         num_warmup_iters=num_warmup_iters,
         allow_unused_input=bool(allow_unused_input),
-        pool=_pool.check(pool),
+        pool=pool,
         engine=options.get("engine"),
         order=tuple(order) if order is not None else None,
         layers=options.get("_num_layers_per_chunk"),
@@ -202,31 +207,10 @@ def normalize(
         ),
         pre_warmup_hook=options.get("pre_warmup_hook"),
         post_warmup_hook=options.get("post_warmup_hook"),
+        given_sample_args=sample_args,
+        given_sample_kwargs=options.get("sample_kwargs"),
         **flags,
     )
-
-
-def _reorganised(
-    given: Any,
-    options: Mapping[str, Any],
-    args: tuple[tuple[Any, ...], ...],
-    kwargs: tuple[dict[str, Any], ...],
-    num_callables: int,
-    warmup_iters: int,
-) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
-    """The sample entries of a buffer-reuse build as TransformerEngine reorganises them
-    (:mod:`gograph.request._entries`; the caller's lists in place) over the schedule the core plans."""
-    schedule = _plan.plan_schedule(
-        options["_order"], options.get("_num_layers_per_chunk"), num_callables, len(args), True, warmup_iters
-    )
-    try:
-        chain = bool(options.get("chain_buffers", False))
-        share = bool(options.get("share_microbatch_graphs", False))
-        return _entries.reuse_sample_entries(
-            given, options.get("sample_kwargs"), args, kwargs, schedule, chain=chain, share=share
-        )
-    finally:
-        schedule.free()
 
 
 def _sample_args(sample_args: Any, just_one: bool, ordered: bool, n: int) -> tuple[tuple[Any, ...], ...]:
@@ -346,16 +330,16 @@ def _share_option(options: Mapping[str, Any], ordered: bool, reuse: bool, chain:
 def _pool_or_sample_kwargs(pool: Any, options: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
     """The 5th positional argument is ``pool`` in torch's ``make_graphed_callables`` and
     ``sample_kwargs`` in TransformerEngine's: a dict, or a sequence of dicts/None, is
-    TransformerEngine's ``sample_kwargs``; a pool token or ``MemPool`` is torch's ``pool``."""
+    TransformerEngine's ``sample_kwargs``; a pool token or ``MemPool`` is torch's ``pool``
+    (returned as its token)."""
     if not _looks_like_sample_kwargs(pool):
         try:
-            _pool.check(pool)
+            return _pool.check(pool), options
         except TypeError as e:
             raise TypeError(
                 f"{e} (torch's 5th positional argument, pool); TransformerEngine's 5th positional argument, "
                 "sample_kwargs, is a dict or a sequence with one dict (or None) per callable"
             ) from None
-        return pool, options
     if options.get("sample_kwargs") is not None:
         raise TypeError(
             "gograph: sample_kwargs given twice: as the 5th positional argument (TransformerEngine's "
@@ -459,7 +443,6 @@ def _pass_spec(req: Request, schedule: Schedule, i: int, args: tuple[Any, ...], 
     keys = tuple(kwargs)
     kw_leaves, kwargs_spec = pytree.tree_flatten([kwargs[k] for k in keys])
     flat = tuple(pos_leaves) + tuple(kw_leaves)
-    _check_leaves(i, c, flat, len(pos_leaves), req.ordered)
     label = schedule.pass_label(i, label_of(c))
     grad_enabled = schedule_training(req)
     fn, is_method = _forward_of(c)
@@ -494,17 +477,28 @@ def schedule_training(req: Request) -> bool:
     return req.training if req.ordered else torch.is_grad_enabled()
 
 
-def _check_leaves(i: int, c: Any, flat: tuple[Any, ...], n_pos: int, ordered: bool) -> None:
-    for j, leaf in enumerate(flat):
+def _check_leaves(i: int, c: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], ordered: bool) -> None:
+    """Every leaf of entry ``i``'s sample args and kwargs is a tensor (torch's check and message;
+    ``c``: the entry's callable, None for a pass of an ``_order``, whose callable the schedule says)."""
+    pos = pytree.tree_leaves(args)
+    for j, leaf in enumerate(pos + pytree.tree_leaves([kwargs[k] for k in kwargs])):
         if not isinstance(leaf, Tensor):
-            what = "sample args" if j < n_pos else "sample_kwargs"
+            what = "sample args" if j < len(pos) else "sample_kwargs"
+            whose = f"pass {i}" if ordered else f"callable {i} ({label_of(c)})"
             raise AssertionError(
                 "In the beta API, sample_args "
                 + "for each callable must contain only Tensors. Other types are not allowed."
-                + f" (gograph: leaf {j} of the {what} of {'pass' if ordered else 'callable'} {i} ({label_of(c)}) "
+                + f" (gograph: leaf {j} of the {what} of {whose} "
                 + f"is a {type(leaf).__name__}; pass tensors only, and bind other values into the callable, "
                 + "e.g. with functools.partial)"
             )
+
+
+def _check_engine_name(engine: Any) -> None:
+    """``engine=``: None, a name, or an engine (which engine it resolves to is decided once the
+    core has planned the passes, :func:`gograph.runtime.engines.resolve_engine`)."""
+    if not isinstance(engine, Engine) and engine not in (None, "eager", "cuda"):
+        raise ValueError(f"gograph: engine must be None, 'eager', 'cuda' or an Engine instance, not {engine!r}")
 
 
 def _forward_of(c: Any) -> tuple[Callable[..., Any], bool]:
