@@ -53,13 +53,10 @@ grad 1 0 9
 grad 1 1 10
 `
 
-func program(t *testing.T, opt lifetime.Options) *lifetime.Program {
-	t.Helper()
-	p, err := schedule.Default(2, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	facts := make([]lifetime.Facts, 2)
+// layerFacts are the facts of n passes, each a layer with one input that
+// requires grad, one output and one weight.
+func layerFacts(n int) []lifetime.Facts {
+	facts := make([]lifetime.Facts, n)
 	for i := range facts {
 		facts[i] = lifetime.Facts{
 			Inputs:     []lifetime.InputLeaf{{Sig: 0, RequiresGrad: true, Unique: true, Slottable: true}},
@@ -70,7 +67,16 @@ func program(t *testing.T, opt lifetime.Options) *lifetime.Program {
 			Keys:       lifetime.Keys{Input: 0, Grad: 0},
 		}
 	}
-	prog, err := lifetime.Capture(p, facts, opt)
+	return facts
+}
+
+func program(t *testing.T, opt lifetime.Options) *lifetime.Program {
+	t.Helper()
+	p, err := schedule.Default(2, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prog, err := lifetime.Capture(p, layerFacts(2), opt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -372,18 +378,7 @@ func pipelineProgram(tb testing.TB, n int) *lifetime.Program {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	facts := make([]lifetime.Facts, n)
-	for i := range facts {
-		facts[i] = lifetime.Facts{
-			Inputs:     []lifetime.InputLeaf{{Sig: 0, RequiresGrad: true, Unique: true, Slottable: true}},
-			NPos:       1,
-			Outputs:    []lifetime.OutputLeaf{{Sig: 0, RequiresGrad: true}},
-			ParamGrads: []lifetime.ParamLeaf{{Index: 1, Param: i, Sig: 1}},
-			Backward:   true,
-			Keys:       lifetime.Keys{Input: 0, Grad: 0},
-		}
-	}
-	prog, err := lifetime.Capture(p, facts, lifetime.Options{Release: true})
+	prog, err := lifetime.Capture(p, layerFacts(n), lifetime.Options{Release: true})
 	if err != nil {
 		tb.Fatal(err)
 	}
